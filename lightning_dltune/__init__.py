@@ -1,0 +1,26 @@
+"""lightning-dltune: measure DataLoader stalls inside a Lightning run and tune the loader online."""
+
+from lightning_dltune._warn import DLTuneWarning
+from lightning_dltune.callback import DataLoaderTuner
+from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose
+from lightning_dltune.measure import StepTimer, WindowStats
+from lightning_dltune.mixin import TunableDataModuleMixin
+from lightning_dltune.settings import LoaderSettings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "DLTuneWarning",
+    "DataLoaderTuner",
+    "Decision",
+    "LoaderSettings",
+    "Policy",
+    "StepTimer",
+    "Trial",
+    "TunableDataModuleMixin",
+    "WindowStats",
+    "__version__",
+    "decide",
+    "diagnose",
+]

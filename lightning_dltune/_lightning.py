@@ -1,0 +1,135 @@
+"""Every use of a private Lightning (and PyTorch DataLoader) attribute lives here.
+
+``tests/test_lightning_private.py`` fails loudly when a release moves one of them. Checked against
+lightning 2.4-2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives inside ``fit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+# (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
+PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("fit_loop", "_data_source"),
+    ("fit_loop", "_combined_loader"),
+    ("fit_loop", "_data_fetcher"),
+    ("fit_loop._data_source", "dataloader"),
+    ("fit_loop.epoch_loop", "_on_before_fetch"),
+    ("fit_loop.epoch_loop", "_on_after_fetch"),
+)
+
+_SAVED_KWARGS = "__pl_saved_kwargs"
+_SAVED_ARGS = "__pl_saved_args"
+_SAVED_ARG_NAMES = "__pl_saved_arg_names"
+
+
+class NotRebuildableError(RuntimeError):
+    """The train loader cannot be rebuilt with other settings; the tuner leaves it alone."""
+
+
+def install_loader_transform(trainer: "pl.Trainer", transform: Callable[[Any], Any]) -> Callable[[], None]:
+    """Route every train-loader request of ``fit`` through ``transform(loader) -> loader``.
+
+    The transform runs inside Lightning's argument-recording context, before the distributed sampler is
+    injected, so a loader it rebuilds can still be rebuilt by Lightning. Returns the function that undoes it.
+    """
+    source = trainer.fit_loop._data_source
+    original = source.dataloader
+
+    def dataloader() -> Any:
+        return transform(original())
+
+    source.dataloader = dataloader  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if source.__dict__.get("dataloader") is dataloader:
+            del source.__dict__["dataloader"]
+
+    return restore
+
+
+def install_fetch_hooks(
+    trainer: "pl.Trainer", before: Callable[[], None], after: Callable[[], None]
+) -> Callable[[], None]:
+    """Call ``before``/``after`` around every ``next()`` on the train data fetcher (where the profiler times
+    ``train_dataloader_next``). Returns the function that undoes it."""
+    loop = trainer.fit_loop.epoch_loop
+    orig_before, orig_after = loop._on_before_fetch, loop._on_after_fetch
+
+    def on_before_fetch() -> None:
+        before()
+        orig_before()
+
+    def on_after_fetch() -> None:
+        orig_after()
+        after()
+
+    loop._on_before_fetch = on_before_fetch  # type: ignore[method-assign]
+    loop._on_after_fetch = on_after_fetch  # type: ignore[method-assign]
+
+    def restore() -> None:
+        for name, fn in (("_on_before_fetch", on_before_fetch), ("_on_after_fetch", on_after_fetch)):
+            if loop.__dict__.get(name) is fn:
+                del loop.__dict__[name]
+
+    return restore
+
+
+def request_train_reload(trainer: "pl.Trainer") -> None:
+    """Shut the current train loader's workers down and make the next epoch call ``train_dataloader()``."""
+    fit_loop = trainer.fit_loop
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()  # shuts the workers of every flattened loader down
+    fit_loop._data_fetcher = None  # or fit teardown tears the torn-down fetcher down again and crashes
+    fit_loop._combined_loader = None
+
+
+def train_loader_requests_pending(trainer: "pl.Trainer") -> bool:
+    """True between :func:`request_train_reload` and the next ``setup_data()``."""
+    return trainer.fit_loop._combined_loader is None
+
+
+def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
+    """A new instance of ``loader``'s class with the same constructor arguments except ``overrides``.
+
+    Positional constructor arguments are passed by name, so Lightning can rebuild the result again for its
+    distributed sampler. The sampler, batch sampler, ``collate_fn``, ``worker_init_fn``, ``generator`` and
+    ``multiprocessing_context`` of the original are kept.
+
+    Raises:
+        NotRebuildableError: when the loader's constructor arguments cannot be recovered.
+    """
+    from lightning.fabric.utilities.data import (
+        _get_dataloader_init_args_and_kwargs,
+        _reinstantiate_wrapped_cls,
+    )
+
+    saved = getattr(loader, _SAVED_KWARGS, None)
+    if saved is not None:  # the helper updates the saved dict in place: give it a copy
+        setattr(loader, _SAVED_KWARGS, dict(saved))
+    try:
+        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+    except Exception as ex:
+        raise NotRebuildableError(str(ex)) from ex
+    finally:
+        if saved is not None:
+            setattr(loader, _SAVED_KWARGS, saved)
+    names = tuple(getattr(loader, _SAVED_ARG_NAMES, ()))
+    if len(args) > len(names):
+        raise NotRebuildableError(
+            f"`{type(loader).__name__}` was built with {len(args)} positional arguments that cannot be named."
+        )
+    kwargs = {**dict(zip(names, args, strict=False)), **kwargs, **overrides}
+    try:
+        new = _reinstantiate_wrapped_cls(loader, **kwargs)
+    except Exception as ex:
+        raise NotRebuildableError(f"rebuilding `{type(loader).__name__}` failed: {ex}") from ex
+    # attribute assignments replayed from the original must not undo the new settings
+    for key in ("num_workers", "prefetch_factor", "pin_memory"):
+        if key in overrides and getattr(new, key, overrides[key]) != overrides[key]:
+            setattr(new, key, overrides[key])
+    return new

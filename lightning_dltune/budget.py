@@ -1,0 +1,138 @@
+"""How many CPUs this training process may really use: affinity, cgroup v2 ``cpu.max`` or the v1 CFS quota,
+divided among the training processes of the node. Every reader takes the filesystem root as a parameter so
+tests can point it at a fake ``/proc`` and ``/sys/fs/cgroup`` tree."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_dltune.decide import Budget
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """``cpus`` for one training process, and which limit set it."""
+
+    cpus: float
+    bound_by: str
+    affinity: int
+    quota: float | None
+    local_world_size: int
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_paths(root: Path) -> dict[str, str]:
+    """Map controller ("" for cgroup v2) -> this process's cgroup path, from ``/proc/self/cgroup``."""
+    text = _read(root / "proc/self/cgroup") or ""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for c in controllers.split(",") if controllers else [""]:
+            out[c] = path
+    return out
+
+
+def _ancestors(base: Path, cgroup_path: str) -> list[Path]:
+    """The cgroup directory of this process and every parent up to the mount point, nearest first."""
+    parts = [p for p in cgroup_path.strip("/").split("/") if p]
+    dirs = [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def read_cpu_quota(root: str | os.PathLike[str] = "/") -> tuple[float | None, str | None]:
+    """The tightest CPU quota (in CPUs) over this process's cgroup and its parents, and where it came from."""
+    root = Path(root)
+    cg = root / "sys/fs/cgroup"
+    paths = _cgroup_paths(root)
+    best: tuple[float | None, str | None] = (None, None)
+
+    def consider(value: float, source: str) -> None:
+        nonlocal best
+        if value > 0 and (best[0] is None or value < best[0]):
+            best = (value, source)
+
+    if "" in paths and (cg / "cgroup.controllers").exists():  # cgroup v2
+        for d in _ancestors(cg, paths[""]):
+            text = _read(d / "cpu.max")
+            if not text:
+                continue
+            quota, _, period = text.partition(" ")
+            if quota != "max":
+                consider(int(quota) / int(period or 100000), "cgroup v2 cpu.max")
+        return best
+    for controller in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        base = cg / controller
+        if not base.is_dir():
+            continue
+        for d in _ancestors(base, paths.get("cpu", "/")):
+            q, p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            if q and p and int(q) > 0:
+                consider(int(q) / int(p), "cgroup v1 cfs quota")
+        break
+    return best
+
+
+def read_affinity(root: str | os.PathLike[str] = "/") -> int:
+    """CPUs in this process's affinity mask (``Cpus_allowed_list`` under a fake root)."""
+    root = Path(root)
+    if root == Path("/") and hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    text = _read(root / "proc/self/status") or ""
+    for line in text.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return _count_cpu_list(line.split(":", 1)[1].strip())
+    return os.cpu_count() or 1
+
+
+def _count_cpu_list(text: str) -> int:
+    n = 0
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            n += int(hi) - int(lo) + 1
+        elif part:
+            n += 1
+    return max(1, n)
+
+
+def cpu_budget(root: str | os.PathLike[str] = "/", local_world_size: int = 1) -> CpuBudget:
+    """CPUs one of ``local_world_size`` training processes on this node may use."""
+    if local_world_size < 1:
+        raise ValueError(f"`local_world_size` must be >= 1, got {local_world_size}.")
+    affinity = read_affinity(root)
+    quota, source = read_cpu_quota(root)
+    if quota is not None and quota < affinity:
+        total, bound_by = quota, source or "cgroup"
+    else:
+        total, bound_by = float(affinity), "affinity"
+    if local_world_size > 1:
+        bound_by += f" / {local_world_size} local ranks"
+    return CpuBudget(
+        cpus=max(total / local_world_size, 0.5),
+        bound_by=bound_by,
+        affinity=affinity,
+        quota=quota,
+        local_world_size=local_world_size,
+    )
+
+
+def default_max_workers(cpus: float) -> int:
+    """Ceiling for I/O-bound loaders: 8 workers per CPU, at least 4, at most 64."""
+    return max(4, min(64, int(8 * cpus)))
+
+
+def make_budget(cpu: CpuBudget, max_workers: int | None, max_prefetch: int) -> Budget:
+    cap = default_max_workers(cpu.cpus) if max_workers is None else max_workers
+    bound_by = cpu.bound_by if max_workers is None else f"{cpu.bound_by}; max_workers={max_workers}"
+    return Budget(cpus=cpu.cpus, max_workers=cap, max_prefetch=max_prefetch, bound_by=bound_by)

@@ -1,0 +1,393 @@
+"""``DataLoaderTuner``: the Lightning callback that wires the hooks to the timer, the decision and the logs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_dltune import _lightning
+from lightning_dltune._warn import warn_once
+from lightning_dltune.budget import cpu_budget, make_budget
+from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best
+from lightning_dltune.measure import StepTimer, WindowStats, process_cpu_seconds
+from lightning_dltune.mixin import TunableDataModuleMixin
+from lightning_dltune.report import REPORT_NAME, build_report, summary_table, write_json_atomic
+from lightning_dltune.settings import LoaderSettings, check_num_workers
+
+PREFIX = "dltune/"
+STALL_FRAC = PREFIX + "stall_frac"
+DATA_WAIT_MS = PREFIX + "data_wait_ms"
+STEP_MS = PREFIX + "step_ms"
+OTHER_MS = PREFIX + "other_ms"
+SAMPLES_PER_S = PREFIX + "samples_per_s"
+NUM_WORKERS = PREFIX + "num_workers"
+PREFETCH_FACTOR = PREFIX + "prefetch_factor"
+GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
+GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
+
+TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabled"
+
+
+class DataLoaderTuner(Callback):
+    r"""Measure how long training waits for data and retune the train ``DataLoader`` between epochs.
+
+    During the first epochs it times every step (data wait, step, other host time), and at each epoch end a
+    model of the loader decides whether to rebuild the train loader with other ``num_workers`` /
+    ``prefetch_factor``, within the CPUs this process may use. Once the stall is gone (or more workers stop
+    paying) it settles, prints a summary with a one-line diagnosis, and writes ``dltune_report.json``.
+
+    Works with a DataModule that inherits :class:`~lightning_dltune.TunableDataModuleMixin` and with a plain
+    ``DataLoader`` returned by any ``train_dataloader()`` (rebuilt as Lightning rebuilds loaders for its
+    distributed sampler).
+
+    Args:
+        stall_threshold: stall fraction (data wait / wall time) below which the loader is good enough;
+            0.05 is the level PyTorch's profiler flags.
+        max_trials: most configs measured, the starting one included, before settling.
+        max_workers: ceiling on ``num_workers``; ``None`` allows 8 per usable CPU (4 to 64), since a loader
+            waiting on storage wants more workers than cores.
+        max_prefetch: ceiling on ``prefetch_factor``.
+        min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
+        observe_only: measure, log and report, but never rebuild the loader.
+        log_gpu: sample GPU utilization and memory through NVML on CUDA.
+        report_path: where to write the JSON report; ``None`` writes ``dltune_report.json`` in the logger's
+            directory (or ``default_root_dir``), ``False`` writes none.
+        verbose: print the summary table and diagnosis when tuning settles.
+
+    Raises:
+        ValueError: if an argument is outside its allowed values.
+
+    Attributes:
+        best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
+        trials: the measured :class:`~lightning_dltune.decide.Trial` history.
+        diagnosis: one sentence on what bounds training.
+        report: the report written at the end of ``fit`` (a dict).
+
+    Logged Metrics (every ``log_every_n_steps``, to every logger, on rank zero):
+        - ``dltune/stall_frac``: data wait / wall time of the window (fraction)
+        - ``dltune/data_wait_ms``: mean time blocked on the next batch per step (ms)
+        - ``dltune/step_ms``: mean time from batch start to batch end (ms)
+        - ``dltune/other_ms``: mean other host time between steps, validation excluded (ms)
+        - ``dltune/samples_per_s``: training throughput of the window (samples/s)
+        - ``dltune/num_workers``: ``num_workers`` of the current train loader
+        - ``dltune/prefetch_factor``: its ``prefetch_factor`` (0 when loading in the main process)
+        - ``dltune/gpu_util_pct``, ``dltune/gpu_mem_pct``: NVML utilization and memory use (CUDA only, %)
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_dltune import DataLoaderTuner
+
+        trainer = Trainer(callbacks=[DataLoaderTuner()])
+        trainer.fit(model, datamodule=dm)
+    """
+
+    def __init__(
+        self,
+        stall_threshold: float = 0.05,
+        max_trials: int = 6,
+        max_workers: int | None = None,
+        max_prefetch: int = 8,
+        min_steps: int = 8,
+        observe_only: bool = False,
+        log_gpu: bool = True,
+        report_path: str | Path | bool | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if isinstance(stall_threshold, bool) or not isinstance(stall_threshold, (int, float)):
+            raise TypeError(f"`stall_threshold` must be a float in (0, 1), got {stall_threshold!r}.")
+        if not 0.0 < stall_threshold < 1.0:
+            raise ValueError(
+                f"`stall_threshold` must be in (0, 1), got {stall_threshold}. Use 0.05 to accept a 5% stall."
+            )
+        if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1:
+            raise ValueError(
+                f"`max_trials` must be an int >= 1, got {max_trials!r}. Use 1 to measure without retuning."
+            )
+        if max_workers is not None:
+            check_num_workers(max_workers, "max_workers")
+        if isinstance(max_prefetch, bool) or not isinstance(max_prefetch, int) or max_prefetch < 1:
+            raise ValueError(f"`max_prefetch` must be an int >= 1, got {max_prefetch!r}. PyTorch's default is 2.")
+        if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
+            raise ValueError(f"`min_steps` must be an int >= 1, got {min_steps!r}.")
+        if report_path is True:
+            report_path = None
+        self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
+        self.max_workers = max_workers
+        self.max_prefetch = max_prefetch
+        self.observe_only = observe_only
+        self.log_gpu = log_gpu
+        self.report_path = report_path
+        self.verbose = verbose
+
+        self.best_settings: dict[str, Any] | None = None
+        self.trials: list[Trial] = []
+        self.diagnosis: str = ""
+        self.report: dict[str, Any] | None = None
+        self.budget: Budget | None = None
+        self.timer = StepTimer()
+        self.phase = OBSERVING if observe_only else TUNING
+        self._start: LoaderSettings | None = None
+        self._current: LoaderSettings | None = None
+        self._target: LoaderSettings | None = None
+        self._window_cpu0: tuple[float, float] | None = None
+        self._restores: list[Any] = []
+        self._nvml: Any = None
+        self._nvml_metrics: dict[str, float] = {}
+        self._steps_since_log = 0
+        self._trainer: pl.Trainer | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=self.max_workers)
+
+    # ------------------------------------------------------------------------------------------------------
+    # set-up and tear-down
+    # ------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self.timer = StepTimer()
+        self.budget = make_budget(
+            cpu_budget(local_world_size=max(1, int(trainer.num_devices))), self.max_workers, self.max_prefetch
+        )
+        self._restores = [
+            _lightning.install_loader_transform(trainer, self._on_loader),
+            _lightning.install_fetch_hooks(trainer, self.timer.fetch_started, self.timer.fetch_ended),
+        ]
+        if self.log_gpu and trainer.strategy.root_device.type == "cuda":
+            from lightning_dltune.nvml import open_sampler
+
+            index = trainer.strategy.root_device.index or 0
+            self._nvml, why = open_sampler(index)
+            if self._nvml is None:
+                warn_once("nvml", f"GPU utilization is not logged: {why}.")
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        for restore in reversed(self._restores):
+            restore()
+        self._restores = []
+        if self._nvml is not None:
+            if self._nvml.error:
+                warn_once("nvml-error", f"GPU sampling stopped early: NVML said {self._nvml.error}.")
+            self._nvml.stop()
+            self._nvml = None
+
+    # ------------------------------------------------------------------------------------------------------
+    # the train loader
+    # ------------------------------------------------------------------------------------------------------
+    def _on_loader(self, loader: Any) -> Any:
+        """Every train-loader request of ``fit`` passes here (see ``_lightning.install_loader_transform``)."""
+        self.timer.loader_requested()
+        if not isinstance(loader, DataLoader):
+            self._disable(
+                "unsupported-loader",
+                f"the train loader is a {type(loader).__name__}, not one `torch.utils.data.DataLoader`; "
+                "it is measured but not retuned",
+            )
+            return loader
+        current = LoaderSettings.from_loader(loader)
+        if self._start is None:
+            self._start = current
+        if isinstance(loader.dataset, IterableDataset) and self.phase == TUNING:
+            self._disable(
+                "iterable",
+                "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
+                "shards itself with `get_worker_info()`, so the tuner only measures it",
+            )
+        target = self._target
+        if target is not None and target != current and self.phase in (TUNING, SETTLED):
+            try:
+                loader = _lightning.rebuild_dataloader(loader, target.to_loader_kwargs())
+                current = target
+            except _lightning.NotRebuildableError as ex:
+                self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
+        self._current = current
+        return loader
+
+    def _disable(self, key: str, message: str) -> None:
+        if self.phase == TUNING:
+            self.phase = DISABLED
+        warn_once(key, f"DataLoaderTuner: {message}.")
+
+    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings) -> None:
+        """Make the next epoch run on ``settings`` (no-op when the current loader already has them)."""
+        self._target = settings
+        datamodule = getattr(trainer, "datamodule", None)
+        if isinstance(datamodule, TunableDataModuleMixin):
+            datamodule.loader_settings = settings
+        if settings != self._current:
+            _lightning.request_train_reload(trainer)
+
+    # ------------------------------------------------------------------------------------------------------
+    # measurement hooks
+    # ------------------------------------------------------------------------------------------------------
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.timer.epoch_started()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        self.timer.step_started()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.timer.step_ended(_batch_size(batch))
+        if self._window_cpu0 is None and self.phase != SETTLED:
+            # CPU is counted from the end of a window's first step: worker start-up is not steady state
+            self._window_cpu0 = process_cpu_seconds()
+        self._steps_since_log += 1
+        if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
+            self._steps_since_log = 0
+            self._log(trainer)
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.timer.pause()
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.timer.resume()
+
+    def _log(self, trainer: "pl.Trainer") -> None:
+        stats = self.timer.take_log_window()
+        if self._nvml is not None:
+            self._nvml_metrics = self._nvml.take() or self._nvml_metrics
+        if not trainer.loggers or stats.steps == 0:
+            return
+        current = self._current or LoaderSettings()
+        metrics = {
+            STALL_FRAC: stats.stall_frac,
+            DATA_WAIT_MS: stats.mean_wait_s * 1e3,
+            STEP_MS: stats.mean_step_s * 1e3,
+            OTHER_MS: stats.mean_other_s * 1e3,
+            SAMPLES_PER_S: stats.samples_per_s,
+            NUM_WORKERS: float(current.num_workers),
+            PREFETCH_FACTOR: float(current.prefetch_factor or 0),
+        }
+        if self._nvml_metrics:
+            metrics[GPU_UTIL_PCT] = self._nvml_metrics["gpu_util_pct"]
+            metrics[GPU_MEM_PCT] = self._nvml_metrics["gpu_mem_pct"]
+        _log_to_loggers(trainer, metrics)
+
+    # ------------------------------------------------------------------------------------------------------
+    # deciding
+    # ------------------------------------------------------------------------------------------------------
+    def _close_window(self) -> WindowStats:
+        stats = self.timer.take_window()
+        if self._window_cpu0 is not None:
+            main0, kids0 = self._window_cpu0
+            main1, kids1 = process_cpu_seconds()
+            stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
+        self._window_cpu0 = None
+        return stats
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._current is None or self.phase == SETTLED:
+            self.timer.take_window()
+            return
+        if self.timer.window_steps < self.policy.min_steps and not _is_last_epoch(trainer):
+            return  # pool short epochs into one trial
+        trial = Trial(self._current, self._close_window())
+        if self.phase in (OBSERVING, DISABLED):
+            self.trials.append(trial)
+            return
+        decision = decide([*self.trials, trial], self._budget(), self.policy)
+        decision = trainer.strategy.broadcast(decision, src=0)  # every rank must reload at the same epoch
+        self.trials.append(Trial(trial.settings, trial.stats, trial.failed, _decision_text(decision)))
+        if decision.action == "try":
+            self._apply(trainer, decision.settings)
+        elif decision.action == "settle":
+            self._settle(trainer, decision.settings)
+
+    def _budget(self) -> Budget:
+        if self.budget is None:
+            self.budget = make_budget(cpu_budget(), self.max_workers, self.max_prefetch)
+        return self.budget
+
+    def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings) -> None:
+        self.phase = SETTLED
+        self.best_settings = settings.to_loader_kwargs()
+        self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy)
+        self._apply(trainer, settings)
+        if self.verbose:
+            rank_zero_info(
+                "DataLoaderTuner settled on "
+                f"{settings.describe()}\n{summary_table(self.trials, settings)}\nDiagnosis: {self.diagnosis}"
+            )
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.phase in (TUNING, OBSERVING, DISABLED) and self.trials:
+            best = pick_best(self.trials, self.policy).settings
+            if self.phase != TUNING or self.best_settings is None:
+                self.best_settings = best.to_loader_kwargs()
+            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy)
+            if self.phase == TUNING:
+                self.diagnosis += " (tuning had not settled when training ended.)"
+        self.report = build_report(
+            trials=self.trials,
+            start=self._start,
+            settled=LoaderSettings.from_dict(self.best_settings) if self.best_settings else None,
+            phase=self.phase,
+            diagnosis=self.diagnosis,
+            budget=self.budget,
+            extra={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        )
+        self._write_report(trainer)
+
+    @rank_zero_only
+    def _write_report(self, trainer: "pl.Trainer") -> None:
+        if self.report_path is False or self.report is None:
+            return
+        if self.report_path is None:
+            path = Path(trainer.log_dir or trainer.default_root_dir) / REPORT_NAME
+        else:
+            path = Path(str(self.report_path))
+        write_json_atomic(path, self.report)
+        self.report_file = path
+
+
+def _decision_text(decision: Decision) -> str:
+    if decision.action == "try":
+        return f"try {decision.settings.describe()}: {decision.reason}"
+    if decision.action == "settle":
+        return f"settle on {decision.settings.describe()}: {decision.reason}"
+    return f"keep measuring: {decision.reason}"
+
+
+def _is_last_epoch(trainer: "pl.Trainer") -> bool:
+    max_epochs = trainer.max_epochs
+    return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+
+
+def _batch_size(batch: Any) -> int:
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:
+        return 1
+
+
+@rank_zero_only
+def _log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

@@ -1,0 +1,289 @@
+"""The tuning decision: a pure, deterministic function of measured trials. No torch, no I/O, no clock.
+
+The model (as in tf.data's AUTOTUNE, reduced to one stage): a worker needs ``P`` seconds of wall time to
+produce a batch, ``C`` of which are CPU; the trainer is busy ``B`` seconds per step when it is not waiting.
+With ``w`` workers the loader delivers at most ``min(w / P, cpus / C)`` batches per second, so the stall
+disappears once ``w >= P / B`` as long as the CPUs can feed the workers (``w <= cpus * P / C``). A loader
+waiting on storage (``C << P``) wants far more workers than cores; a decode-bound one no more than the CPUs.
+
+* With 0 workers, ``P`` is the time the main process spent fetching a batch and ``C`` its CPU time.
+* With ``w`` workers and a stall, all workers are busy, so ``P <= w * T`` (``T`` the wall time per step),
+  and ``C`` is the workers' CPU time per batch. The tightest bound over the history is used.
+
+Each decision jumps to the predicted worker count (with headroom), then verifies it with the next trial.
+Tuning stops when the stall is below the threshold, when the last change did not pay, when the CPU budget
+is reached, or when the trial budget is spent; the settled config is the cheapest one within measured noise
+of the fastest, so it is never measurably slower than the user's starting config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.settings import LoaderSettings
+
+Action = Literal["measure", "try", "settle"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The resources the tuner may spend. ``cpus`` is what this training process may use (already divided
+    among the local ranks); ``bound_by`` names the limit that set it, for the report."""
+
+    cpus: float
+    max_workers: int
+    max_prefetch: int = 8
+    bound_by: str = "affinity"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Knobs of the search. The defaults are what ``DataLoaderTuner`` uses."""
+
+    stall_threshold: float = 0.05
+    max_trials: int = 6
+    min_steps: int = 8
+    headroom: float = 1.25
+    min_gain: float = 0.05
+    noise_floor: float = 0.03
+    burst_ratio: float = 4.0
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A config and what it measured. ``failed`` says why a config could not run (it is never chosen)."""
+
+    settings: LoaderSettings
+    stats: WindowStats
+    failed: str | None = None
+    decision: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.failed is None and self.stats.steps > 0 and self.stats.samples > 0
+
+    @property
+    def sec_per_sample(self) -> float:
+        return self.stats.wall_s / self.stats.samples if self.stats.samples else math.inf
+
+    @property
+    def rel_sem(self) -> float:
+        mean = self.stats.mean_wall_s
+        return self.stats.wall_sem_s / mean if mean > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's reading of the history, in seconds per batch."""
+
+    batch_s: float
+    busy_s: float
+    cpu_per_batch_s: float
+    worker_cpus: float
+    needed_workers: int
+    cpu_cap_workers: int  # the most workers the CPUs can keep busy (may exceed ``Budget.max_workers``)
+
+    @property
+    def cpu_bound(self) -> bool:
+        return self.needed_workers > self.cpu_cap_workers
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    settings: LoaderSettings
+    reason: str
+    estimate: Estimate | None = field(default=None, compare=False)
+
+
+def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Estimate:
+    """Estimate batch production cost from the usable trials, the last one weighing for CPU and busy time."""
+    usable = [t for t in trials if t.usable]
+    if not usable:
+        raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
+    last = usable[-1]
+    s = last.stats
+    busy = (s.step_s + s.other_s) / s.steps
+    bounds = []
+    for t in usable:
+        w = t.settings.num_workers
+        if w == 0:
+            bounds.append(t.stats.mean_wait_s)
+        elif t.stats.stall_frac > policy.stall_threshold / 2:
+            bounds.append(w * t.stats.mean_wall_s)
+    batch = min(bounds) if bounds else last.settings.num_workers * s.mean_wall_s
+    if last.settings.num_workers == 0:
+        cpu_per_batch = s.fetch_cpu_s / s.steps
+        main_busy = max(0.0, s.main_cpu_s - s.fetch_cpu_s) / s.wall_s if s.wall_s else 0.0
+    else:
+        cpu_per_batch = s.worker_cpu_s / s.steps
+        main_busy = s.main_cpu_s / s.wall_s if s.wall_s else 0.0
+    cpu_per_batch = min(cpu_per_batch, batch)
+    worker_cpus = max(1.0, budget.cpus - min(main_busy, budget.cpus - 1.0))
+    needed = math.ceil(policy.headroom * batch / busy) if busy > 0 else budget.max_workers
+    if cpu_per_batch > 0.02 * batch:
+        cpu_cap = max(1, math.floor(worker_cpus * batch / cpu_per_batch + 1e-9))
+    else:  # waiting on I/O: the CPUs do not limit the worker count
+        cpu_cap = max(budget.max_workers, needed)
+    return Estimate(
+        batch_s=batch,
+        busy_s=busy,
+        cpu_per_batch_s=cpu_per_batch,
+        worker_cpus=worker_cpus,
+        needed_workers=max(1, needed),
+        cpu_cap_workers=cpu_cap,
+    )
+
+
+def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
+    """The cheapest usable trial whose time per sample is within measured noise of the fastest one."""
+    usable = [t for t in trials if t.usable]
+    if not usable:
+        raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
+    fastest = min(usable, key=lambda t: t.sec_per_sample)
+
+    def close(t: Trial) -> bool:
+        # measured noise, but never so wide that a config slower by `min_gain` counts as equal
+        tol = min(max(policy.noise_floor, 2.0 * math.hypot(t.rel_sem, fastest.rel_sem)), policy.min_gain)
+        return t.sec_per_sample <= fastest.sec_per_sample * (1.0 + tol)
+
+    return min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.sec_per_sample))
+
+
+def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
+    return stats.wait_p90_s > policy.burst_ratio * stats.wait_p50_s and stats.wait_p90_s > 0.25 * busy
+
+
+def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Decision:
+    """What to do after the last trial: keep measuring it, try another config, or settle.
+
+    Raises:
+        ValueError: if ``trials`` is empty.
+    """
+    if not trials:
+        raise ValueError("`trials` is empty; measure the starting config first.")
+    last = trials[-1]
+    usable = [t for t in trials if t.usable]
+    if last.failed is None and last.stats.steps < policy.min_steps:
+        return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
+    if not usable:
+        start = trials[0].settings
+        return Decision("settle", start, "no config could be measured; keeping the starting config")
+    best = pick_best(trials, policy)
+    if last.failed is not None:
+        return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
+
+    stall = last.stats.stall_frac
+    if stall <= policy.stall_threshold:
+        return Decision(
+            "settle", best.settings, f"stall {stall:.1%} is below the {policy.stall_threshold:.0%} threshold"
+        )
+    if len(trials) >= policy.max_trials:
+        return Decision("settle", best.settings, f"tuning budget of {policy.max_trials} trials spent")
+    earlier = [t for t in usable[:-1] if t.settings != last.settings]
+    if earlier:
+        prev = min(earlier, key=lambda t: t.sec_per_sample)
+        if last.sec_per_sample > prev.sec_per_sample * (1.0 - policy.min_gain):
+            return Decision(
+                "settle",
+                best.settings,
+                f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than "
+                f"{prev.settings.describe()}: more workers stopped paying",
+            )
+
+    est = estimate(trials, budget, policy)
+    cur = last.settings
+    tried = {t.settings for t in trials}
+    w = cur.num_workers
+    enough_on_average = w > 0 and est.batch_s / w <= est.busy_s
+    cap = min(est.cpu_cap_workers, budget.max_workers)
+    can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
+    if can_prefetch and (enough_on_average or w >= cap) and _bursty(last.stats, est.busy_s, policy):
+        cand = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
+        if cand not in tried:
+            return Decision(
+                "try",
+                cand,
+                f"waits are bursty (p90 {last.stats.wait_p90_s * 1e3:.1f} ms vs median "
+                f"{last.stats.wait_p50_s * 1e3:.1f} ms): deeper prefetch",
+                est,
+            )
+    target = min(est.needed_workers, cap)
+    if target <= w:
+        why = "the CPU budget" if est.cpu_bound else f"max_workers={budget.max_workers}"
+        if est.needed_workers <= w:
+            why = "the model (the wait is not from too few workers)"
+        return Decision("settle", best.settings, f"no more workers to add within {why}", est)
+    cand = cur.with_workers(target)
+    if cand in tried:
+        return Decision("settle", best.settings, f"{cand.describe()} was already measured", est)
+    limit = ""
+    if est.cpu_bound:
+        limit = f" (capped at {target} by the CPU budget)"
+    elif est.needed_workers > budget.max_workers:
+        limit = f" (capped at {target} by max_workers)"
+    return Decision(
+        "try",
+        cand,
+        f"a batch takes {est.batch_s * 1e3:.1f} ms to load and the step {est.busy_s * 1e3:.1f} ms: "
+        f"{est.needed_workers} workers hide it{limit}",
+        est,
+    )
+
+
+def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy = Policy()) -> str:
+    """One sentence that says what bounds training, for the summary and the report."""
+    usable = [t for t in trials if t.usable]
+    if not usable:
+        return "unknown: no training step was measured."
+    start = usable[0]
+    final = next((t for t in reversed(usable) if t.settings == settled), usable[-1])
+    fs = final.stats
+    th = policy.stall_threshold
+    speedup = start.sec_per_sample / final.sec_per_sample if final.sec_per_sample > 0 else 1.0
+    if fs.mean_other_s > max(fs.mean_step_s, fs.mean_wait_s) and fs.mean_other_s > 0.002:
+        return (
+            f"host-bound: {fs.mean_other_s * 1e3:.1f} ms per step go to host work between steps "
+            "(logging, callbacks, host-to-device copies), more than to the step or the data wait."
+        )
+    if start.stats.stall_frac <= th:
+        return (
+            f"accelerator-bound: training waited for data {start.stats.stall_frac:.1%} of the time with "
+            f"{start.settings.describe()}; the loader is not the bottleneck."
+        )
+    if fs.stall_frac <= th:
+        return (
+            f"input-bound at the start ({start.stats.stall_frac:.0%} of the time waiting for data with "
+            f"{start.settings.describe()}); {settled.describe()} hides the loading "
+            f"(stall {fs.stall_frac:.1%}, {speedup:.1f}x the throughput)."
+        )
+    est = estimate(usable, budget, policy)
+    if est.cpu_bound:
+        return (
+            f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "
+            f"{budget.cpus:g} CPUs ({budget.bound_by}) cannot keep up with a {est.busy_s * 1e3:.1f} ms step "
+            f"(still {fs.stall_frac:.0%} stalled with {settled.describe()}); make decoding cheaper, "
+            "cache decoded data or give the job more CPUs."
+        )
+    more = [t for t in usable if t.settings.num_workers > settled.num_workers]
+    if more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more):
+        return (
+            f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"({speedup:.1f}x the starting throughput), and more workers did not help: the host is saturated "
+            "(CPU contention with the training process, or the storage's own limit)."
+        )
+    if est.needed_workers > budget.max_workers:
+        return (
+            f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"({speedup:.1f}x the starting throughput); the model wants {est.needed_workers} workers but "
+            f"`max_workers` is {budget.max_workers}: raise it if memory allows, or cut the storage latency."
+        )
+    return (
+        f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+        f"({speedup:.1f}x the starting throughput); waits are bursty or the trial budget ran out: raise "
+        "`max_trials` or `max_prefetch`, or reduce the latency tail of the storage."
+    )

@@ -1,0 +1,284 @@
+"""Per-step accounting of data wait, step time and other host time, with an injectable clock.
+
+The training loop calls :class:`StepTimer` at five points (fetch start/end, step start/end, epoch start) and,
+around validation, :meth:`StepTimer.pause`/:meth:`StepTimer.resume`. For step ``i``::
+
+    gap_i   = step_start_i - step_end_{i-1}          (or the epoch start)
+    wait_i  = time inside fetches during gap_i       (training blocked on the loader)
+    other_i = gap_i - wait_i - paused_i              (host-to-device copy, logging, checkpoint hooks ...)
+    step_i  = step_end_i - step_start_i              (forward/backward/optimizer as the host sees it)
+    wall_i  = wait_i + other_i + step_i              (validation excluded and reported apart)
+
+The first step after a loader is (re)built is charged, with the build itself, to ``startup_s`` and kept out
+of the steady-state statistics: it pays for worker start-up and for filling the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+Clock = Callable[[], float]
+
+_TAIL_SIZE = 20_000
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What a window of training steps measured. Sums are in seconds; ``*_p50_s``/``*_p90_s`` are per step."""
+
+    steps: int = 0
+    samples: int = 0
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    other_s: float = 0.0
+    excluded_s: float = 0.0
+    wait_p50_s: float = 0.0
+    wait_p90_s: float = 0.0
+    wall_sem_s: float = 0.0
+    fetch_cpu_s: float = 0.0
+    worker_cpu_s: float = 0.0
+    main_cpu_s: float = 0.0
+    startup_s: float = 0.0
+
+    @property
+    def stall_frac(self) -> float:
+        """Fraction of training wall time spent blocked on the loader."""
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_wall_s(self) -> float:
+        return self.wall_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_wait_s(self) -> float:
+        return self.wait_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.step_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_other_s(self) -> float:
+        return self.other_s / self.steps if self.steps else 0.0
+
+    def with_cpu(self, worker_cpu_s: float, main_cpu_s: float) -> WindowStats:
+        return _replace(self, worker_cpu_s=worker_cpu_s, main_cpu_s=main_cpu_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = asdict(self)
+        out.update(stall_frac=self.stall_frac, samples_per_s=self.samples_per_s)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WindowStats:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _replace(stats: WindowStats, **changes: Any) -> WindowStats:
+    data = asdict(stats)
+    data.update(changes)
+    return WindowStats(**data)
+
+
+class _Accumulator:
+    """Exact sums, a running variance of the per-step wall (Welford), and the most recent waits for quantiles."""
+
+    def __init__(self, tail_size: int) -> None:
+        self.tail_size = tail_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.samples = 0
+        self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
+        self.startup = 0.0
+        self._mean = self._m2 = 0.0
+        self._waits: deque[float] = deque(maxlen=self.tail_size)
+
+    def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
+        wall = wait + step + other
+        self.steps += 1
+        self.samples += samples
+        self.wall += wall
+        self.wait += wait
+        self.step += step
+        self.other += other
+        self.fetch_cpu += fetch_cpu
+        delta = wall - self._mean
+        self._mean += delta / self.steps
+        self._m2 += delta * (wall - self._mean)
+        self._waits.append(wait)
+
+    def stats(self) -> WindowStats:
+        sem = math.sqrt(self._m2 / (self.steps - 1) / self.steps) if self.steps > 1 else 0.0
+        waits = sorted(self._waits)
+        return WindowStats(
+            steps=self.steps,
+            samples=self.samples,
+            wall_s=self.wall,
+            wait_s=self.wait,
+            step_s=self.step,
+            other_s=self.other,
+            excluded_s=self.excluded,
+            wait_p50_s=quantile(waits, 0.5),
+            wait_p90_s=quantile(waits, 0.9),
+            wall_sem_s=sem,
+            fetch_cpu_s=self.fetch_cpu,
+            startup_s=self.startup,
+        )
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list (0.0 for an empty one)."""
+    if not sorted_values:
+        return 0.0
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class StepTimer:
+    """Accumulates step timings into a trial window and a logging window.
+
+    Args:
+        clock: wall clock in seconds (default :func:`time.perf_counter`).
+        cpu_clock: CPU time of the calling thread in seconds (default :func:`time.thread_time`); it prices the
+            loading work done in the main process when there are no workers.
+        tail_size: how many recent per-step waits feed the p50/p90 estimates.
+    """
+
+    def __init__(
+        self,
+        clock: Clock = time.perf_counter,
+        cpu_clock: Clock = time.thread_time,
+        tail_size: int = _TAIL_SIZE,
+    ) -> None:
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._window = _Accumulator(tail_size)
+        self._log = _Accumulator(tail_size)
+        self._ref: float | None = None
+        self._requested_at: float | None = None
+        self._first_after_build = False
+        self._clear_gap()
+
+    def _clear_gap(self) -> None:
+        self._wait = 0.0
+        self._fetch_cpu = 0.0
+        self._paused = 0.0
+        self._fetch_t0: float | None = None
+        self._fetch_c0 = 0.0
+        self._pause_t0: float | None = None
+        self._step_t0: float | None = None
+
+    # --- loader lifecycle -------------------------------------------------------------------------------------
+    def loader_requested(self) -> None:
+        """A new loader is about to be built: the time until its first batch is start-up cost."""
+        self._requested_at = self._clock()
+
+    def epoch_started(self) -> None:
+        now = self._clock()
+        if self._requested_at is not None:
+            build = now - self._requested_at
+            self._window.startup += build
+            self._log.startup += build
+            self._requested_at = None
+            self._first_after_build = True
+        self._ref = now
+        self._clear_gap()
+
+    # --- per step ---------------------------------------------------------------------------------------------
+    def fetch_started(self) -> None:
+        self._fetch_t0 = self._clock()
+        self._fetch_c0 = self._cpu_clock()
+
+    def fetch_ended(self) -> None:
+        if self._fetch_t0 is None:
+            return
+        self._wait += self._clock() - self._fetch_t0
+        self._fetch_cpu += self._cpu_clock() - self._fetch_c0
+        self._fetch_t0 = None
+
+    def pause(self) -> None:
+        """Stop charging time to the next step (validation, for instance)."""
+        if self._pause_t0 is None:
+            self._pause_t0 = self._clock()
+
+    def resume(self) -> None:
+        if self._pause_t0 is not None:
+            paused = self._clock() - self._pause_t0
+            self._paused += paused
+            self._window.excluded += paused
+            self._log.excluded += paused
+            self._pause_t0 = None
+
+    def step_started(self) -> None:
+        now = self._clock()
+        self._step_t0 = now
+        self._gap = (now - self._ref) if self._ref is not None else self._wait
+
+    def step_ended(self, samples: int) -> None:
+        if self._step_t0 is None:
+            return
+        now = self._clock()
+        step = now - self._step_t0
+        wait = self._wait
+        other = max(0.0, self._gap - wait - self._paused)
+        if self._first_after_build:
+            # worker start-up and pipeline fill: priced apart from the steady state
+            self._window.startup += wait + other
+            self._log.startup += wait + other
+            self._first_after_build = False
+        else:
+            self._window.add(wait, step, other, samples, self._fetch_cpu)
+            self._log.add(wait, step, other, samples, self._fetch_cpu)
+        self._ref = now
+        self._clear_gap()
+
+    # --- windows ----------------------------------------------------------------------------------------------
+    @property
+    def window_steps(self) -> int:
+        return self._window.steps
+
+    @property
+    def log_steps(self) -> int:
+        return self._log.steps
+
+    def take_window(self) -> WindowStats:
+        stats = self._window.stats()
+        self._window.reset()
+        return stats
+
+    def take_log_window(self) -> WindowStats:
+        stats = self._log.stats()
+        self._log.reset()
+        return stats
+
+
+def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
+    """CPU seconds used so far by this process and by its (live and reaped) child processes."""
+    import psutil
+
+    proc = process or psutil.Process()
+    times = proc.cpu_times()
+    main = times.user + times.system
+    children = times.children_user + times.children_system
+    for child in proc.children(recursive=True):
+        try:
+            ct = child.cpu_times()
+        except psutil.Error:
+            continue
+        children += ct.user + ct.system
+    return main, children

@@ -1,0 +1,110 @@
+"""The summary table people read at the end of tuning and the JSON report they can reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_dltune.decide import Budget, Trial
+from lightning_dltune.settings import LoaderSettings
+
+REPORT_NAME = "dltune_report.json"
+REPORT_VERSION = 1
+
+
+def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> str:
+    """A fixed-width table: one row per trial with its throughput, stall and the decision taken after it."""
+    header = ("config", "steps", "samples/s", "stall", "wait ms", "step ms", "startup s", "decision")
+    rows = []
+    for t in trials:
+        s = t.stats
+        mark = "*" if settled is not None and t.settings == settled else " "
+        rows.append(
+            (
+                f"{mark}{t.settings.describe()}",
+                str(s.steps),
+                f"{s.samples_per_s:.1f}",
+                f"{s.stall_frac:.1%}",
+                f"{s.mean_wait_s * 1e3:.2f}",
+                f"{s.mean_step_s * 1e3:.2f}",
+                f"{s.startup_s:.2f}",
+                (t.failed and f"FAILED: {t.failed}") or t.decision,
+            )
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for r in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=False)) + "  " + r[-1])
+    lines.insert(1, "-" * min(120, max(len(line) for line in lines)))
+    return "\n".join(lines)
+
+
+def trial_to_dict(trial: Trial) -> dict[str, Any]:
+    return {
+        "settings": trial.settings.to_loader_kwargs(),
+        "stats": trial.stats.to_dict(),
+        "failed": trial.failed,
+        "decision": trial.decision,
+    }
+
+
+def trial_from_dict(data: dict[str, Any]) -> Trial:
+    from lightning_dltune.measure import WindowStats
+
+    return Trial(
+        settings=LoaderSettings.from_dict(data.get("settings", {})),
+        stats=WindowStats.from_dict(data.get("stats", {})),
+        failed=data.get("failed"),
+        decision=data.get("decision", ""),
+    )
+
+
+def build_report(
+    *,
+    trials: Sequence[Trial],
+    start: LoaderSettings | None,
+    settled: LoaderSettings | None,
+    phase: str,
+    diagnosis: str,
+    budget: Budget | None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "version": REPORT_VERSION,
+        "phase": phase,
+        "start_settings": start.to_loader_kwargs() if start else None,
+        "settled_settings": settled.to_loader_kwargs() if settled else None,
+        "diagnosis": diagnosis,
+        "budget": None
+        if budget is None
+        else {
+            "cpus": budget.cpus,
+            "max_workers": budget.max_workers,
+            "max_prefetch": budget.max_prefetch,
+            "bound_by": budget.bound_by,
+        },
+        "trials": [trial_to_dict(t) for t in trials],
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    """Write ``data`` as JSON through a temporary file and a rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,116 @@
+"""The loader settings the tuner chooses between, validated once, ready for ``DataLoader(**kwargs)``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+DEFAULT_PREFETCH_FACTOR = 2
+
+
+@dataclass(frozen=True, order=True)
+class LoaderSettings:
+    """One DataLoader configuration.
+
+    ``prefetch_factor`` is ``None`` exactly when ``num_workers == 0`` (PyTorch rejects any other value there),
+    and ``persistent_workers`` is only ``True`` with workers. Use :meth:`normalized` to get a consistent copy
+    from loose input, or the constructor to get an error for inconsistent input.
+    """
+
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    persistent_workers: bool = False
+
+    def __post_init__(self) -> None:
+        check_num_workers(self.num_workers)
+        check_prefetch_factor(self.prefetch_factor, self.num_workers)
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError(
+                "`persistent_workers=True` needs `num_workers > 0`, got `num_workers=0`. "
+                "Set `persistent_workers=False` when loading in the main process."
+            )
+
+    @classmethod
+    def normalized(
+        cls,
+        num_workers: int,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool | None = None,
+    ) -> LoaderSettings:
+        """Settings with the dependent fields made consistent with ``num_workers``.
+
+        ``prefetch_factor`` becomes ``None`` for 0 workers and defaults to 2 otherwise; ``persistent_workers``
+        defaults to ``True`` with workers, so that a rebuilt loader does not restart its workers every epoch.
+        """
+        check_num_workers(num_workers)
+        if num_workers == 0:
+            return cls(0, None, bool(pin_memory), False)
+        pf = DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor
+        persistent = True if persistent_workers is None else bool(persistent_workers)
+        return cls(num_workers, pf, bool(pin_memory), persistent)
+
+    def with_workers(self, num_workers: int) -> LoaderSettings:
+        """The same settings with another worker count (dependent fields made consistent)."""
+        return LoaderSettings.normalized(
+            num_workers,
+            self.prefetch_factor,
+            self.pin_memory,
+            True if self.num_workers == 0 else self.persistent_workers,
+        )
+
+    def with_prefetch(self, prefetch_factor: int) -> LoaderSettings:
+        return replace(self, prefetch_factor=prefetch_factor)
+
+    @property
+    def cost(self) -> tuple[int, int]:
+        """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight."""
+        return (self.num_workers, self.num_workers * (self.prefetch_factor or 0))
+
+    def to_loader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.utils.data.DataLoader`` (valid for 0 workers too)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.num_workers == 0:
+            return "workers=0"
+        return f"workers={self.num_workers} prefetch={self.prefetch_factor}"
+
+    @classmethod
+    def from_loader(cls, loader: Any) -> LoaderSettings:
+        """Read the settings of an existing ``DataLoader``."""
+        return cls.normalized(
+            int(getattr(loader, "num_workers", 0)),
+            getattr(loader, "prefetch_factor", None),
+            bool(getattr(loader, "pin_memory", False)),
+            bool(getattr(loader, "persistent_workers", False)),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoaderSettings:
+        return cls.normalized(
+            int(data.get("num_workers", 0)),
+            data.get("prefetch_factor"),
+            bool(data.get("pin_memory", False)),
+            data.get("persistent_workers"),
+        )
+
+
+def check_num_workers(value: Any, name: str = "num_workers") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be a non-negative int, got {value!r}. Use 0 to load in the main process.")
+    return value
+
+
+def check_prefetch_factor(value: Any, num_workers: int, name: str = "prefetch_factor") -> int | None:
+    if num_workers == 0:
+        if value is not None:
+            raise ValueError(
+                f"`{name}` must be None when `num_workers=0`, got {value!r}. "
+                "PyTorch only prefetches with worker processes; pass None."
+            )
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int or None, got {value!r}. Use None when `num_workers=0`.")
+    return value

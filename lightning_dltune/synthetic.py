@@ -1,0 +1,131 @@
+"""Synthetic workloads with a realistic loading cost, for the demo, the benchmarks and the tests.
+
+Each dataset is deterministic per index (the same index always costs the same and returns the same sample),
+so runs with different loader settings can be compared step for step. ``SimulatedModel`` stands in for an
+accelerator on machines without one: its ``training_step`` sleeps for ``step_ms``, which frees the CPUs the
+way a GPU kernel does, and says so in its name.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_dltune.mixin import TunableDataModuleMixin
+
+
+def _busy_cpu(seconds: float) -> int:
+    """Spin the CPU (pure Python, one core, no GIL release) for about ``seconds``."""
+    end = time.thread_time() + seconds
+    acc = 0
+    while time.thread_time() < end:
+        for i in range(200):
+            acc ^= i * i
+    return acc
+
+
+class SyntheticDataset(Dataset):
+    """``length`` samples of ``features`` floats; each ``__getitem__`` waits ``latency_ms`` (storage-like,
+    frees the CPU) and burns ``cpu_ms`` of CPU (decode/augment-like). With ``tail_prob`` > 0 a sample is
+    ``tail_factor`` times slower with that probability (heavy-tailed storage)."""
+
+    def __init__(
+        self,
+        length: int = 512,
+        latency_ms: float = 0.0,
+        cpu_ms: float = 0.0,
+        features: int = 32,
+        tail_prob: float = 0.0,
+        tail_factor: float = 20.0,
+        num_classes: int = 4,
+    ) -> None:
+        if length < 1:
+            raise ValueError(f"`length` must be >= 1, got {length}.")
+        self.length = length
+        self.latency_ms = latency_ms
+        self.cpu_ms = cpu_ms
+        self.features = features
+        self.tail_prob = tail_prob
+        self.tail_factor = tail_factor
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return self.length
+
+    def cost_factor(self, index: int) -> float:
+        if self.tail_prob <= 0:
+            return 1.0
+        return self.tail_factor if random.Random(index * 7919 + 17).random() < self.tail_prob else 1.0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        factor = self.cost_factor(index)
+        if self.latency_ms:
+            time.sleep(self.latency_ms * factor / 1e3)
+        if self.cpu_ms:
+            _busy_cpu(self.cpu_ms * factor / 1e3)
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(self.features, generator=g)
+        return x, torch.tensor(index % self.num_classes), index
+
+
+def in_memory_dataset(length: int = 2048, features: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(length, features, generator=g), torch.randint(0, 4, (length,), generator=g))
+
+
+class SimulatedModel(pl.LightningModule):
+    """A tiny classifier whose ``training_step`` also sleeps ``step_ms`` to simulate accelerator time.
+
+    ``seen_indices`` records the dataset index of every sample trained on (batches of ``SyntheticDataset``
+    carry them), so tests can check that no sample was lost or repeated.
+    """
+
+    def __init__(self, step_ms: float = 5.0, features: int = 32, num_classes: int = 4, lr: float = 0.05) -> None:
+        super().__init__()
+        self.step_ms = step_ms
+        self.lr = lr
+        self.layer = nn.Linear(features, num_classes)
+        self.seen_indices: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        if len(batch) > 2:
+            self.seen_indices.extend(int(i) for i in batch[2])
+        if self.step_ms:
+            time.sleep(self.step_ms / 1e3)  # simulated accelerator time
+        return nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class SyntheticDataModule(TunableDataModuleMixin, pl.LightningDataModule):
+    """A DataModule over a :class:`SyntheticDataset`, tunable through the mixin."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = False
+        self.persistent_workers = num_workers > 0
+        self.shuffle = shuffle
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, **self.loader_kwargs)
