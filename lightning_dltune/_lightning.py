@@ -25,6 +25,7 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
 _SAVED_KWARGS = "__pl_saved_kwargs"
 _SAVED_ARGS = "__pl_saved_args"
 _SAVED_ARG_NAMES = "__pl_saved_arg_names"
+_PARKED_CONTEXT = "_dltune_multiprocessing_context"
 
 
 class NotRebuildableError(RuntimeError):
@@ -109,25 +110,34 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoa
     )
 
     saved = getattr(loader, _SAVED_KWARGS, None)
-    if saved is not None:  # the helper updates the saved dict in place: give it a copy
-        setattr(loader, _SAVED_KWARGS, dict(saved))
-    try:
-        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
-    except Exception as ex:
-        raise NotRebuildableError(str(ex)) from ex
-    finally:
-        if saved is not None:
-            setattr(loader, _SAVED_KWARGS, saved)
+    if saved is not None:
+        # built inside a Lightning hook: replay the recorded constructor call (sampler and batch sampler as given)
+        args, kwargs = tuple(getattr(loader, _SAVED_ARGS, ())), dict(saved)
+    else:
+        # built elsewhere: recover the arguments from the instance, as Lightning does for its sampler injection
+        try:
+            args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+        except Exception as ex:
+            raise NotRebuildableError(str(ex)) from ex
+        if loader.batch_size is None and loader.batch_sampler is not None:  # a user-given batch sampler
+            kwargs.update(
+                batch_sampler=loader.batch_sampler, batch_size=1, shuffle=False, sampler=None, drop_last=False
+            )
     names = tuple(getattr(loader, _SAVED_ARG_NAMES, ()))
     if len(args) > len(names):
         raise NotRebuildableError(
             f"`{type(loader).__name__}` was built with {len(args)} positional arguments that cannot be named."
         )
     kwargs = {**dict(zip(names, args, strict=False)), **kwargs, **overrides}
+    # PyTorch rejects a multiprocessing context without workers: park it on the loader for the way back
+    context = loader.__dict__.get(_PARKED_CONTEXT, getattr(loader, "multiprocessing_context", None))
+    kwargs["multiprocessing_context"] = context if kwargs.get("num_workers", 0) > 0 else None
     try:
         new = _reinstantiate_wrapped_cls(loader, **kwargs)
     except Exception as ex:
         raise NotRebuildableError(f"rebuilding `{type(loader).__name__}` failed: {ex}") from ex
+    if context is not None and new.multiprocessing_context is None:
+        new.__dict__[_PARKED_CONTEXT] = context
     # attribute assignments replayed from the original must not undo the new settings
     for key in ("num_workers", "prefetch_factor", "pin_memory"):
         if key in overrides and getattr(new, key, overrides[key]) != overrides[key]:

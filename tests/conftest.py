@@ -1,0 +1,28 @@
+import threading
+import time
+
+import psutil
+import pytest
+
+from lightning_dltune._warn import reset_warnings
+
+
+def _children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Fail a test that leaves worker processes or dltune threads behind."""
+    reset_warnings()
+    before = {p.pid for p in _children()}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        extra = [p for p in _children() if p.pid not in before]
+        threads = [t for t in threading.enumerate() if t.name.startswith("dltune")]
+        if not extra and not threads:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"test left behind processes {[p.pid for p in extra]} and threads {threads}")
+        time.sleep(0.1)

@@ -1,0 +1,161 @@
+import pytest
+
+from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.settings import LoaderSettings
+
+BUDGET = Budget(cpus=2.0, max_workers=16)
+
+
+def cfg(workers: int, prefetch: int | None = None) -> LoaderSettings:
+    return LoaderSettings.normalized(workers, prefetch)
+
+
+def trial(
+    workers,
+    wait_ms,
+    step_ms,
+    *,
+    prefetch=None,
+    steps=40,
+    batch=16,
+    fetch_cpu_ms=0.0,
+    worker_cpu_ms=0.0,
+    p50_ms=None,
+    p90_ms=None,
+    sem_ms=0.0,
+    failed=None,
+):
+    wall = (wait_ms + step_ms) * steps / 1e3
+    stats = WindowStats(
+        steps=steps,
+        samples=steps * batch,
+        wall_s=wall,
+        wait_s=wait_ms * steps / 1e3,
+        step_s=step_ms * steps / 1e3,
+        wait_p50_s=(wait_ms if p50_ms is None else p50_ms) / 1e3,
+        wait_p90_s=(wait_ms if p90_ms is None else p90_ms) / 1e3,
+        wall_sem_s=sem_ms / 1e3,
+        fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
+        worker_cpu_s=worker_cpu_ms * steps / 1e3,
+    )
+    return Trial(cfg(workers, prefetch), stats, failed)
+
+
+@pytest.mark.parametrize(
+    ("trials", "budget", "action", "expected"),
+    [
+        pytest.param([trial(0, 0.1, 10)], BUDGET, "settle", cfg(0), id="in-memory data keeps 0 workers"),
+        pytest.param([trial(0, 2, 60)], BUDGET, "settle", cfg(0), id="accelerator-bound keeps 0 workers"),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, "try", cfg(16), id="io-bound jumps past the cores"
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1)],
+            Budget(cpus=2.0, max_workers=64),
+            "try",
+            cfg(20),
+            id="io-bound jump sized by the model: ceil(1.25*160/10)",
+        ),
+        pytest.param(
+            [trial(0, 40, 10, fetch_cpu_ms=40)], BUDGET, "try", cfg(2), id="cpu-bound capped at the CPU budget"
+        ),
+        pytest.param(
+            [trial(0, 40, 10, fetch_cpu_ms=40)],
+            Budget(cpus=8.0, max_workers=64),
+            "try",
+            cfg(5),
+            id="cpu-bound with enough CPUs gets what the model needs",
+        ),
+        pytest.param([trial(0, 10, 40)], BUDGET, "try", cfg(1), id="small stall needs one worker"),
+        pytest.param([trial(0, 160, 10, steps=3)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0.2, 10)],
+            BUDGET,
+            "settle",
+            cfg(16),
+            id="stall gone after the jump",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 12, 10), trial(16, 11.5, 10)],
+            BUDGET,
+            "settle",
+            cfg(8),
+            id="more workers stopped paying: cheapest of the fastest",
+        ),
+        pytest.param(
+            [trial(0, 80, 10, fetch_cpu_ms=1), trial(8, 2, 10, p50_ms=0.1, p90_ms=8)],
+            BUDGET,
+            "try",
+            cfg(8, 4),
+            id="bursty waits with enough workers deepen the prefetch",
+        ),
+        pytest.param(
+            [trial(0, 160, 10), trial(2, 75, 10, worker_cpu_ms=80), trial(4, 70, 10, worker_cpu_ms=80)],
+            BUDGET,
+            "settle",
+            cfg(4),
+            id="cpu-saturated: settle on the fastest",
+        ),
+        pytest.param(
+            [trial(0, 50, 10), trial(8, 60, 10), trial(16, 65, 10)],
+            BUDGET,
+            "settle",
+            cfg(0),
+            id="never slower than the starting config",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0, 0, steps=0, failed="worker killed")],
+            BUDGET,
+            "settle",
+            cfg(0),
+            id="a failed config is never chosen",
+        ),
+    ],
+)
+def test_decide(trials, budget, action, expected):
+    decision = decide(trials, budget, Policy())
+    assert (decision.action, decision.settings) == (action, expected), decision.reason
+
+
+def test_trial_budget_ends_tuning():
+    trials = [trial(0, 160, 10, fetch_cpu_ms=1), trial(4, 40, 10), trial(8, 20, 10)]
+    decision = decide(trials, Budget(cpus=2, max_workers=64), Policy(max_trials=3))
+    assert decision.action == "settle" and decision.settings == cfg(8)
+    assert "budget of 3 trials" in decision.reason
+
+
+def test_decide_rejects_an_empty_history():
+    with pytest.raises(ValueError, match="`trials` is empty"):
+        decide([], BUDGET)
+
+
+def test_estimate_takes_the_tightest_bound_over_the_history():
+    est = estimate([trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 15, 10)], Budget(cpus=2, max_workers=64))
+    assert est.batch_s == pytest.approx(0.160)  # 8 * 25 ms = 200 ms is a looser bound
+    assert est.needed_workers == 20
+    assert not est.cpu_bound
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "winner"),
+    [
+        (trial(8, 1.0, 10), trial(16, 0.8, 10), 8),  # 2% apart: within noise, fewer workers win
+        (trial(8, 3.0, 10), trial(16, 0.5, 10), 16),  # 19% apart: the faster one wins
+        (trial(8, 3.0, 10, sem_ms=5), trial(16, 0.5, 10, sem_ms=5), 16),  # noise never hides > min_gain
+    ],
+)
+def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
+    assert pick_best([a, b]).settings.num_workers == winner
+
+
+@pytest.mark.parametrize(
+    ("trials", "settled", "prefix"),
+    [
+        ([trial(0, 0.1, 10)], cfg(0), "accelerator-bound"),
+        ([trial(0, 160, 10), trial(16, 0.2, 10)], cfg(16), "input-bound at the start"),
+        ([trial(0, 40, 10, fetch_cpu_ms=40), trial(2, 12, 10, worker_cpu_ms=40)], cfg(2), "input-bound and CPU-bound"),
+    ],
+)
+def test_diagnosis(trials, settled, prefix):
+    assert diagnose(trials, settled, BUDGET).startswith(prefix)

@@ -1,0 +1,120 @@
+import pytest
+
+from lightning_dltune.measure import StepTimer, WindowStats, quantile
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.cpu = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float, cpu: float = 0.0) -> None:
+        self.t += seconds
+        self.cpu += cpu
+
+
+def run_steps(timer: StepTimer, clock: FakeClock, steps, samples: int = 8) -> None:
+    """steps: (wait, other, step, fetch_cpu) per step; fetch happens in the gap before the step."""
+    for wait, other, step, cpu in steps:
+        clock.advance(other / 2)
+        timer.fetch_started()
+        clock.advance(wait, cpu)
+        timer.fetch_ended()
+        clock.advance(other / 2)
+        timer.step_started()
+        clock.advance(step)
+        timer.step_ended(samples)
+
+
+@pytest.fixture
+def timer_and_clock():
+    clock = FakeClock()
+    return StepTimer(clock=clock, cpu_clock=lambda: clock.cpu), clock
+
+
+def test_wait_step_and_other_are_kept_apart(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.030, 0.002, 0.010, 0.001)] * 4)
+    s = timer.take_window()
+    assert s.steps == 4 and s.samples == 32
+    assert s.wait_s == pytest.approx(0.120)
+    assert s.step_s == pytest.approx(0.040)
+    assert s.other_s == pytest.approx(0.008)
+    assert s.wall_s == pytest.approx(0.168)
+    assert s.stall_frac == pytest.approx(0.120 / 0.168)
+    assert s.samples_per_s == pytest.approx(32 / 0.168)
+    assert s.fetch_cpu_s == pytest.approx(0.004)
+    assert timer.take_window().steps == 0  # taking a window resets it
+
+
+def test_first_step_after_a_build_is_startup_not_steady_state(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.loader_requested()
+    clock.advance(0.5)  # building the loader, starting workers
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.2, 0.0, 0.01, 0.0)] + [(0.001, 0.0, 0.01, 0.0)] * 3)
+    s = timer.take_window()
+    assert s.steps == 3
+    assert s.startup_s == pytest.approx(0.7)
+    assert s.wait_s == pytest.approx(0.003)
+
+
+def test_validation_is_excluded_from_the_step_gap(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0)])
+    timer.pause()
+    clock.advance(2.0)
+    timer.resume()
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0)])
+    s = timer.take_window()
+    assert s.excluded_s == pytest.approx(2.0)
+    assert s.other_s == pytest.approx(0.0, abs=1e-9)
+    assert s.stall_frac == pytest.approx(0.5)
+
+
+def test_bursty_waits_show_in_the_tail(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, ([(0.0005, 0.0, 0.01, 0.0)] * 9 + [(0.1, 0.0, 0.01, 0.0)]) * 5)
+    s = timer.take_window()
+    assert s.wait_p50_s == pytest.approx(0.0005)
+    assert s.wait_p90_s > 20 * s.wait_p50_s
+
+
+def test_log_window_is_independent_of_the_trial_window(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0)] * 3)
+    assert timer.take_log_window().steps == 3
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0)] * 2)
+    assert timer.take_log_window().steps == 2
+    assert timer.take_window().steps == 5
+
+
+def test_wall_standard_error_is_zero_for_identical_steps_and_positive_otherwise(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0)] * 5)
+    assert timer.take_window().wall_sem_s == pytest.approx(0.0, abs=1e-12)
+    run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0), (0.03, 0.0, 0.01, 0.0)] * 5)
+    assert timer.take_window().wall_sem_s > 0.001
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [([], 0.5, 0.0), ([1.0], 0.9, 1.0), ([0.0, 10.0], 0.5, 5.0), ([1.0, 2.0, 3.0, 4.0, 5.0], 0.9, 4.6)],
+)
+def test_quantile(values, q, expected):
+    assert quantile(values, q) == pytest.approx(expected)
+
+
+def test_stats_round_trip_through_a_dict():
+    s = WindowStats(steps=3, samples=24, wall_s=1.0, wait_s=0.5)
+    d = s.to_dict()
+    assert d["stall_frac"] == 0.5 and d["samples_per_s"] == 24.0
+    assert WindowStats.from_dict(d) == s
