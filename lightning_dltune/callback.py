@@ -228,7 +228,7 @@ class DataLoaderTuner(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         if isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = settings
-        if settings != self._current:
+        if settings != self._current and not _is_last_epoch(trainer):
             _lightning.request_train_reload(trainer)
 
     # ------------------------------------------------------------------------------------------------------

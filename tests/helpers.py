@@ -1,0 +1,43 @@
+import os
+import time
+
+import lightning.pytorch as pl
+import psutil
+
+from lightning_dltune import DataLoaderTuner
+
+CORES = len(os.sched_getaffinity(0))
+
+
+class EpochClock(pl.Callback):
+    """Wall time of each training epoch, and how many worker processes ran mid-epoch."""
+
+    def __init__(self, tuner: DataLoaderTuner | None = None) -> None:
+        self.tuner = tuner
+        self.durations: list[float] = []
+        self.children: list[tuple[int, int]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 4 and self.tuner is not None and self.tuner._current is not None:
+            alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+            self.children.append((len(alive), self.tuner._current.num_workers))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.durations.append(time.perf_counter() - self._t0)
+
+
+def make_trainer(tmp_path, callbacks, max_epochs=4, **kwargs):
+    opts = dict(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=5,
+    )
+    opts.update(kwargs)
+    return pl.Trainer(**opts)

@@ -1,0 +1,157 @@
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, IterableDataset
+
+from helpers import CORES, EpochClock, make_trainer
+from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
+
+
+def latency_dataset(length=320):
+    return SyntheticDataset(length=length, latency_ms=10.0)  # ~160 ms to load a batch of 16 in one process
+
+
+def test_latency_bound_mixin_settles_far_above_the_cores_and_gets_faster(tmp_path):
+    dm = SyntheticDataModule(latency_dataset(), batch_size=16, num_workers=0)
+    tuner = DataLoaderTuner()
+    clock = EpochClock(tuner)
+    make_trainer(tmp_path, [tuner, clock], max_epochs=4).fit(SimulatedModel(step_ms=5), datamodule=dm)
+
+    best = tuner.best_settings
+    assert best is not None and best["num_workers"] >= 3 * CORES, tuner.trials
+    assert clock.durations[-1] * 3 <= clock.durations[0], clock.durations
+    assert dm.num_workers == best["num_workers"]  # the mixin carries the tuned settings
+    assert tuner.diagnosis.startswith("input-bound")
+    # no worker outlives its loader: mid-epoch, live children == workers of the current loader
+    assert clock.children and all(alive == workers for alive, workers in clock.children), clock.children
+
+    report = json.loads((tmp_path / "lightning_logs" / "version_0" / "dltune_report.json").read_text())
+    assert report["settled_settings"] == best
+    assert report["start_settings"]["num_workers"] == 0
+    assert len(report["trials"]) == len(tuner.trials) >= 2
+    assert report["trials"][0]["stats"]["stall_frac"] > 0.5
+    assert report["budget"]["cpus"] <= CORES
+    assert report["diagnosis"] == tuner.diagnosis
+
+
+class PlainModel(SimulatedModel):
+    """No mixin: train_dataloader returns a plain DataLoader built with positional arguments."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(**kwargs)
+        self.dataset = dataset
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, 16, True)
+
+
+class LoaderSpy(pl.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.seen.append((trainer.train_dataloader.num_workers, trainer.train_dataloader.batch_size))
+
+
+def test_plain_dataloader_is_rebuilt_and_tensorboard_gets_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tuner = DataLoaderTuner()
+    used = LoaderSpy()
+    trainer = make_trainer(tmp_path, [tuner, used], max_epochs=3, logger=TensorBoardLogger(tmp_path, name="tb"))
+    trainer.fit(PlainModel(latency_dataset(256), step_ms=5))
+
+    assert tuner.best_settings["num_workers"] >= 3 * CORES
+    # each epoch trained on a loader with the settings of its trial, at the user's batch size
+    assert [w for w, _ in used.seen] == [t.settings.num_workers for t in tuner.trials]
+    assert {b for _, b in used.seen} == {16}
+
+    events = EventAccumulator(trainer.logger.log_dir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("stall_frac", "data_wait_ms", "step_ms", "samples_per_s", "num_workers", "prefetch_factor"):
+        assert f"dltune/{key}" in tags, tags
+    workers = [e.value for e in events.Scalars("dltune/num_workers")]
+    assert workers[0] == 0 and workers[-1] == tuner.best_settings["num_workers"]
+    stall = [e.value for e in events.Scalars("dltune/stall_frac")]
+    assert stall[0] > 0.5 and stall[-1] < stall[0] / 2
+    assert (tmp_path / "tb" / "version_0" / "dltune_report.json").exists()
+
+
+def test_in_memory_tensors_keep_zero_workers(tmp_path):
+    dm = SyntheticDataModule(in_memory_dataset(1024), batch_size=32, num_workers=0)
+    tuner = DataLoaderTuner()
+    make_trainer(tmp_path, [tuner], max_epochs=2).fit(SimulatedModel(step_ms=10), datamodule=dm)
+    assert tuner.best_settings["num_workers"] == 0, tuner.trials
+    assert len(tuner.trials) == 1 and tuner.diagnosis.startswith("accelerator-bound")
+
+
+def test_a_long_step_does_not_get_workers_it_does_not_need(tmp_path):
+    dm = SyntheticDataModule(SyntheticDataset(length=160, latency_ms=0.5), batch_size=16)
+    tuner = DataLoaderTuner()
+    make_trainer(tmp_path, [tuner], max_epochs=3).fit(SimulatedModel(step_ms=80), datamodule=dm)
+    assert tuner.best_settings["num_workers"] <= 1, tuner.trials
+
+
+def test_observe_only_measures_but_never_rebuilds(tmp_path):
+    dm = SyntheticDataModule(SyntheticDataset(length=160, latency_ms=2.0), batch_size=16)
+    tuner = DataLoaderTuner(observe_only=True, report_path=tmp_path / "r.json")
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=2, logger=False)
+    trainer.fit(SimulatedModel(step_ms=2), datamodule=dm)
+    assert trainer.train_dataloader.num_workers == 0 and dm.num_workers == 0
+    assert [t.settings.num_workers for t in tuner.trials] == [0, 0]
+    assert tuner.trials[0].stats.stall_frac > 0.5
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["phase"] == "observing" and len(report["trials"]) == 2
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(64):
+            yield torch.randn(32), torch.tensor(i % 4)
+
+
+def test_iterable_dataset_is_measured_not_retuned(tmp_path):
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=8)
+
+    tuner = DataLoaderTuner(min_steps=2)
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=2, logger=False)
+    with pytest.warns(DLTuneWarning, match="IterableDataset.*get_worker_info"):
+        trainer.fit(M(step_ms=1))
+    assert trainer.train_dataloader.num_workers == 0
+    assert tuner.phase == "disabled" and len(tuner.trials) == 2
+
+
+def test_validate_stage_is_left_alone(tmp_path):
+    class M(SimulatedModel):
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def val_dataloader(self):
+            return DataLoader(in_memory_dataset(64), batch_size=8)
+
+    tuner = DataLoaderTuner()
+    make_trainer(tmp_path, [tuner], logger=False).validate(M())
+    assert tuner.trials == [] and tuner.best_settings is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stall_threshold": 0}, ValueError, r"`stall_threshold` must be in \(0, 1\), got 0"),
+        ({"stall_threshold": "5%"}, TypeError, r"`stall_threshold` must be a float"),
+        ({"max_trials": 0}, ValueError, r"`max_trials` must be an int >= 1, got 0. Use 1"),
+        ({"max_workers": -2}, ValueError, r"`max_workers` must be a non-negative int, got -2"),
+        ({"max_prefetch": 0}, ValueError, r"`max_prefetch` must be an int >= 1"),
+        ({"min_steps": 0}, ValueError, r"`min_steps` must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DataLoaderTuner(**kwargs)
