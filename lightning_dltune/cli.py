@@ -1,0 +1,79 @@
+"""The ``dltune`` command: ``dltune demo`` and ``dltune bench TARGET``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints like 2,4; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive ints like 2,4; got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dltune", description="Measure and tune PyTorch DataLoaders.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small model from num_workers=0 with DataLoaderTuner attached")
+    demo.add_argument("--out", type=Path, default=Path("dltune_runs/demo"), help="where logs, report and plot go")
+    demo.add_argument("--quick", action="store_true", help="a shorter run (CI smoke test)")
+    demo.add_argument("--epochs", type=_positive_int, default=None, help="epochs to train (default 6, quick 4)")
+
+    bench = sub.add_parser("bench", help="loader-only throughput over a num_workers/prefetch_factor sweep")
+    bench.add_argument(
+        "target", help="a Dataset, DataLoader factory or LightningDataModule: file.py:name or module:name"
+    )
+    bench.add_argument("--batch-size", type=_positive_int, default=32, help="batch size when TARGET is a Dataset")
+    bench.add_argument("--batches", type=_positive_int, default=30, help="steady-state batches per repeat")
+    bench.add_argument("--warmup", type=int, default=3, help="batches after the first one excluded as warm-up")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="repeats per config (median and spread)")
+    bench.add_argument("--max-workers", type=int, default=None, help="largest num_workers (default: 8 per CPU)")
+    bench.add_argument("--prefetch", type=_int_list, default=[2, 4], help="prefetch factors to try, e.g. 2,4")
+    bench.add_argument("--step-ms", type=float, default=None, help="model step time: flag configs that would stall")
+    bench.add_argument("--out", type=Path, default=Path("dltune_runs/bench"), help="where the JSON and plot go")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from lightning_dltune.demo import run_demo
+
+        run_demo(args.out, quick=args.quick, epochs=args.epochs)
+        return 0
+    from lightning_dltune.bench import BenchError, run_bench
+
+    try:
+        run_bench(
+            args.target,
+            batch_size=args.batch_size,
+            batches=args.batches,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            max_workers=args.max_workers,
+            prefetch=args.prefetch,
+            step_ms=args.step_ms,
+            out=args.out,
+        )
+    except BenchError as ex:
+        print(f"dltune bench: error: {ex}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
