@@ -116,14 +116,11 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         elif t.stats.stall_frac > policy.stall_threshold / 2:
             bounds.append(w * t.stats.mean_wall_s)
     batch = min(bounds) if bounds else last.settings.num_workers * s.mean_wall_s
-    if last.settings.num_workers == 0:
-        cpu_per_batch = s.fetch_cpu_s / s.steps
-        main_busy = max(0.0, s.main_cpu_s - s.fetch_cpu_s) / s.wall_s if s.wall_s else 0.0
-    else:
-        cpu_per_batch = s.worker_cpu_s / s.steps
-        main_busy = s.main_cpu_s / s.wall_s if s.wall_s else 0.0
+    cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, batch)
-    worker_cpus = max(1.0, budget.cpus - min(main_busy, budget.cpus - 1.0))
+    # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
+    # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
+    worker_cpus = max(1.0, budget.cpus)
     needed = math.ceil(policy.headroom * batch / busy) if busy > 0 else budget.max_workers
     if cpu_per_batch > 0.02 * batch:
         cpu_cap = max(1, math.floor(worker_cpus * batch / cpu_per_batch + 1e-9))

@@ -3,10 +3,10 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import CORES, EpochClock, make_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from helpers import CORES, EpochClock, make_trainer
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
 

@@ -47,9 +47,7 @@ def trial(
     [
         pytest.param([trial(0, 0.1, 10)], BUDGET, "settle", cfg(0), id="in-memory data keeps 0 workers"),
         pytest.param([trial(0, 2, 60)], BUDGET, "settle", cfg(0), id="accelerator-bound keeps 0 workers"),
-        pytest.param(
-            [trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, "try", cfg(16), id="io-bound jumps past the cores"
-        ),
+        pytest.param([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, "try", cfg(16), id="io-bound jumps past the cores"),
         pytest.param(
             [trial(0, 160, 10, fetch_cpu_ms=1)],
             Budget(cpus=2.0, max_workers=64),

@@ -1,0 +1,240 @@
+"""Side-by-side benchmark: DataLoaderTuner against static loader configs, in one process.
+
+For each workload the same model trains the same epochs with: the PyTorch default (0 workers), Lightning's
+suggested count (cpus - 1), the half-the-cores rule of thumb, every config of a static grid (the best of
+which is the oracle), and DataLoaderTuner starting from 0 workers. Whole-run time (``trainer.fit`` wall
+time, worker start-up and tuning included) is reported as a ratio to the oracle. The accelerator's time is
+SIMULATED by a sleep in ``training_step`` (this machine has no GPU).
+
+    python benchmarks/run.py                 # full run, writes benchmarks/results/latest.json
+    python benchmarks/run.py --write-md      # ... and regenerates BENCHMARKS.md
+    python benchmarks/run.py --quick --workloads latency   # CI smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune._lightning import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
+from lightning_dltune.budget import cpu_budget
+from lightning_dltune.measure import StepTimer
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
+
+HERE = Path(__file__).resolve().parent
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "latency": {
+        "make": lambda n: SyntheticDataset(n, latency_ms=10.0),
+        "samples": 320,
+        "step_ms": 5.0,
+        "what": "10 ms storage wait per sample (the classic sleep)",
+    },
+    "cpu": {
+        "make": lambda n: SyntheticDataset(n, cpu_ms=1.0),
+        "samples": 640,
+        "step_ms": 5.0,
+        "what": "1 ms CPU decode/augment per sample",
+    },
+    "bursty": {
+        "make": lambda n: SyntheticDataset(n, latency_ms=2.0, tail_prob=0.05, tail_factor=25.0),
+        "samples": 640,
+        "step_ms": 5.0,
+        "what": "2 ms wait, 5% of samples 25x slower",
+    },
+    "in_memory": {
+        "make": lambda n: in_memory_dataset(n),
+        "samples": 1280,
+        "step_ms": 5.0,
+        "what": "TensorDataset already in memory",
+    },
+    "accelerator": {
+        "make": lambda n: SyntheticDataset(n, latency_ms=0.3),
+        "samples": 320,
+        "step_ms": 40.0,
+        "what": "light loading, 40 ms simulated step",
+    },
+}
+BATCH = 16
+
+
+def fit_once(workload: dict[str, Any], workers: int, epochs: int, tuner: DataLoaderTuner | None) -> float:
+    dm = SyntheticDataModule(
+        workload["make"](workload["samples"]),
+        batch_size=BATCH,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+    )
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[tuner] if tuner else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(SimulatedModel(step_ms=workload["step_ms"]), datamodule=dm)
+    return time.perf_counter() - t0
+
+
+def run_workload(name: str, epochs: int, grid: list[int]) -> dict[str, Any]:
+    w = WORKLOADS[name]
+    cpus = cpu_budget().cpus
+    suggested = max(1, int(cpus) - 1)  # lightning's suggested_max_num_workers
+    thumb = max(1, min(8, int(cpus) // 2))  # "half the cores, never above 8"
+    counts = sorted(set(grid) | {0, suggested, thumb})
+    static = {}
+    for k in counts:
+        static[k] = fit_once(w, k, epochs, None)
+        print(f"  {name:12s} static workers={k:<3d} {static[k]:7.2f} s", flush=True)
+    tuner = DataLoaderTuner(verbose=False, report_path=False)
+    tuned = fit_once(w, 0, epochs, tuner)
+    print(f"  {name:12s} tuner -> {tuner.best_settings['num_workers']} workers {tuned:7.2f} s", flush=True)
+    oracle_k = min(static, key=static.get)
+    oracle = static[oracle_k]
+    return {
+        "workload": name,
+        "what": w["what"],
+        "epochs": epochs,
+        "seconds": {
+            "default": static[0],
+            "lightning_suggested": static[suggested],
+            "rule_of_thumb": static[thumb],
+            "oracle": oracle,
+            "tuner": tuned,
+        },
+        "workers": {
+            "default": 0,
+            "lightning_suggested": suggested,
+            "rule_of_thumb": thumb,
+            "oracle": oracle_k,
+            "tuner": tuner.best_settings["num_workers"],
+        },
+        "tuner_prefetch": tuner.best_settings["prefetch_factor"],
+        "tuner_trials": len(tuner.trials),
+        "static_grid": {str(k): v for k, v in static.items()},
+    }
+
+
+def hook_overhead_us(n: int = 20000) -> float:
+    """Host cost of the per-step measurement (timer calls + batch-size extraction), in microseconds."""
+    from lightning_dltune.callback import _batch_size
+
+    timer = StepTimer()
+    batch = (torch.zeros(16, 32), torch.zeros(16, dtype=torch.long), torch.arange(16))
+    timer.epoch_started()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        timer.fetch_started()
+        timer.fetch_ended()
+        timer.step_started()
+        timer.step_ended(_batch_size(batch))
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def observe_overhead(epochs: int, reps: int) -> dict[str, float]:
+    """Observe-only tuner vs no callback on a fixed config, interleaved runs, 10 ms simulated step."""
+    w = {"make": lambda n: in_memory_dataset(n), "samples": 640, "step_ms": 10.0}
+    ratios = []
+    for _ in range(reps):
+        plain = fit_once(w, 0, epochs, None)
+        observed = fit_once(w, 0, epochs, DataLoaderTuner(observe_only=True, verbose=False, report_path=False))
+        ratios.append(observed / plain)
+    return {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = results["workloads"]
+    lines = [
+        "| workload | default (0) | Lightning suggested | rule of thumb | oracle (best static) | DataLoaderTuner |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s, k, o = r["seconds"], r["workers"], r["seconds"]["oracle"]
+
+        def cell(key: str, s: dict = s, k: dict = k, o: float = o) -> str:
+            return f"{s[key] / o:.2f}x ({k[key]}w, {s[key]:.1f} s)"
+
+        lines.append(
+            f"| {r['workload']}: {r['what']} | {cell('default')} | {cell('lightning_suggested')} | "
+            f"{cell('rule_of_thumb')} | 1.00x ({k['oracle']}w, {o:.1f} s) | {cell('tuner')} |"
+        )
+    ov = results["overhead"]
+    lines += [
+        "",
+        f"Measurement overhead: {ov['hook_us_per_step']:.1f} us of host time per step "
+        f"({ov['hook_us_per_step'] / 100:.2f}% of a 10 ms step); observe-only tuner vs no callback, whole run: "
+        f"median {ov['observe_only']['median_ratio']:.3f}x (range {ov['observe_only']['min_ratio']:.3f}-"
+        f"{ov['observe_only']['max_ratio']:.3f}).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI smoke size: 3 epochs, grid 0,2,8")
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--write-md", action="store_true", help="regenerate BENCHMARKS.md from this run")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")  # PyTorch warns about worker counts above the cores: that is the point
+    epochs = args.epochs or (3 if args.quick else 8)
+    grid = [0, 2, 8] if args.quick else [0, 1, 2, 4, 8, 16]
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {
+        "machine": {
+            "cpus": cpu_budget().cpus,
+            "cpu_bound_by": cpu_budget().bound_by,
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
+            "processor": platform.processor() or platform.machine(),
+            "nproc": os.cpu_count(),
+        },
+        "accelerator": "simulated (sleep in training_step)",
+        "workloads": [run_workload(n, epochs, grid) for n in names],
+        "overhead": {
+            "hook_us_per_step": hook_overhead_us(),
+            "observe_only": observe_overhead(2 if args.quick else 4, 1 if args.quick else 3),
+        },
+    }
+    results["wall_s"] = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / ("quick.json" if args.quick else "latest.json")).write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    print("\n" + table)
+    if args.write_md:
+        m = results["machine"]
+        text = (HERE.parent / "BENCHMARKS.md").read_text() if (HERE.parent / "BENCHMARKS.md").exists() else ""
+        head = text.split("<!-- results -->")[0] if "<!-- results -->" in text else "# Benchmarks\n\n"
+        body = (
+            f"<!-- results -->\nMachine: {m['nproc']} CPUs ({m['cpu_bound_by']}), {m['platform']}, Python "
+            f"{m['python']}, torch {m['torch']}, lightning {m['lightning']}; accelerator {results['accelerator']}; "
+            f"{epochs} epochs per run; whole suite {results['wall_s'] / 60:.1f} min.\n\n"
+            "Each cell: whole-run time / oracle's whole-run time (workers used, seconds).\n\n" + table + "\n"
+        )
+        (HERE.parent / "BENCHMARKS.md").write_text(head + body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
