@@ -6,7 +6,8 @@ lightning 2.4-2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader liv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +22,8 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop.epoch_loop", "_on_before_fetch"),
     ("fit_loop.epoch_loop", "_on_after_fetch"),
 )
+# PyTorch DataLoader internals used for in-epoch switching and worker-death recovery.
+TORCH_PRIVATE: tuple[str, ...] = ("_iterator", "_shutdown_workers", "_worker_pids_set", "_remove_worker_pids")
 
 _SAVED_KWARGS = "__pl_saved_kwargs"
 _SAVED_ARGS = "__pl_saved_args"
@@ -143,3 +146,56 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoa
         if key in overrides and getattr(new, key, overrides[key]) != overrides[key]:
             setattr(new, key, overrides[key])
     return new
+
+
+def recording() -> ExitStack:
+    """Lightning's argument-recording context for ``DataLoader``/``BatchSampler`` constructors, so loaders
+    built inside it can be rebuilt again (by us or for Lightning's distributed sampler)."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from torch.utils.data import BatchSampler
+
+    stack = ExitStack()
+    stack.enter_context(_replace_dunder_methods(DataLoader, "dataset"))
+    stack.enter_context(_replace_dunder_methods(BatchSampler))
+    return stack
+
+
+def train_mode_iterator(trainer: "pl.Trainer") -> Any:
+    """The iterator inside the train ``CombinedLoader`` (``.iterables``/``.iterators``), or ``None``."""
+    combined = trainer.fit_loop._combined_loader
+    return None if combined is None else combined._iterator
+
+
+def replace_train_loader(trainer: "pl.Trainer", loader: DataLoader) -> None:
+    """Make ``loader`` the train loader of the running epoch and of the next ones."""
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        return
+    combined.flattened = [loader]
+    if combined._iterator is not None:
+        combined._iterator.iterables = combined.flattened
+
+
+def shutdown_workers(loader: Any) -> None:
+    """Stop ``loader``'s worker processes now (persistent ones included)."""
+    from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+    _shutdown_workers_and_reset_iterator(loader)
+
+
+def detach_from_sigchld(iterator: Iterator[Any]) -> None:
+    """Unregister a multi-process iterator's workers from PyTorch's SIGCHLD handler.
+
+    That handler raises "worker killed" wherever the main thread happens to be (inside the model's step,
+    say); without it the iterator itself raises inside ``next()``, where a dead worker can be replaced.
+    """
+    if getattr(iterator, "_worker_pids_set", False):
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False  # type: ignore[attr-defined]
+
+
+def will_reuse_iterator(loader: Any) -> bool:
+    """True when ``iter(loader)`` resets an existing persistent-worker iterator instead of creating one."""
+    return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None

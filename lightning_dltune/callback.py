@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_dltune import _lightning
@@ -20,6 +21,7 @@ from lightning_dltune.measure import StepTimer, WindowStats, process_cpu_seconds
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.report import REPORT_NAME, build_report, summary_table, write_json_atomic
 from lightning_dltune.settings import LoaderSettings, check_num_workers
+from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 
 PREFIX = "dltune/"
 STALL_FRAC = PREFIX + "stall_frac"
@@ -33,6 +35,9 @@ GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
 GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
 
 TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabled"
+MODES = ("auto", "epoch", "in_epoch")
+_MAX_RECOVERIES = 3
+_LONG_EPOCH_S = 60.0
 
 
 class DataLoaderTuner(Callback):
@@ -56,6 +61,13 @@ class DataLoaderTuner(Callback):
         max_prefetch: ceiling on ``prefetch_factor``.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
+        mode: when to switch configs. ``"epoch"``: at epoch boundaries. ``"in_epoch"``: every
+            ``window_steps`` steps, inside the epoch, continuing from exactly the batch the loop reached.
+            ``"auto"``: in-epoch for long epochs (at least ``8 * window_steps`` batches, or a first window
+            predicting over a minute per epoch), epoch boundaries otherwise. In-epoch switching needs a
+            map-style dataset with a plain ``BatchSampler`` (what ``batch_size=``/``shuffle=`` create); other
+            loaders fall back to epoch boundaries with one message.
+        window_steps: steps per measurement window in in-epoch mode.
         log_gpu: sample GPU utilization and memory through NVML on CUDA.
         report_path: where to write the JSON report; ``None`` writes ``dltune_report.json`` in the logger's
             directory (or ``default_root_dir``), ``False`` writes none.
@@ -97,6 +109,8 @@ class DataLoaderTuner(Callback):
         max_prefetch: int = 8,
         min_steps: int = 8,
         observe_only: bool = False,
+        mode: str = "auto",
+        window_steps: int = 20,
         log_gpu: bool = True,
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
@@ -117,12 +131,20 @@ class DataLoaderTuner(Callback):
             raise ValueError(f"`max_prefetch` must be an int >= 1, got {max_prefetch!r}. PyTorch's default is 2.")
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
             raise ValueError(f"`min_steps` must be an int >= 1, got {min_steps!r}.")
+        if mode not in MODES:
+            raise ValueError(
+                f"`mode` must be one of {MODES}, got {mode!r}. Use 'auto' to switch inside long epochs only."
+            )
+        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 2:
+            raise ValueError(f"`window_steps` must be an int >= 2, got {window_steps!r}. The default is 20.")
         if report_path is True:
             report_path = None
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers = max_workers
         self.max_prefetch = max_prefetch
         self.observe_only = observe_only
+        self.mode = mode
+        self.window_steps = max(window_steps, min_steps + 1)
         self.log_gpu = log_gpu
         self.report_path = report_path
         self.verbose = verbose
@@ -143,6 +165,12 @@ class DataLoaderTuner(Callback):
         self._nvml_metrics: dict[str, float] = {}
         self._steps_since_log = 0
         self._trainer: pl.Trainer | None = None
+        self._resumable = False  # the train loader has a ResumableBatchSampler
+        self._in_epoch = False  # windows inside the epoch are active
+        self._guard_needed = False
+        self._pending: LoaderSettings | None = None
+        self._recoveries = 0
+        self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def state_key(self) -> str:
@@ -162,7 +190,7 @@ class DataLoaderTuner(Callback):
         )
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader),
-            _lightning.install_fetch_hooks(trainer, self.timer.fetch_started, self.timer.fetch_ended),
+            _lightning.install_fetch_hooks(trainer, self._before_fetch, self.timer.fetch_ended),
         ]
         if self.log_gpu and trainer.strategy.root_device.type == "cuda":
             from lightning_dltune.nvml import open_sampler
@@ -207,29 +235,126 @@ class DataLoaderTuner(Callback):
                 "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
                 "shards itself with `get_worker_info()`, so the tuner only measures it",
             )
+        gen = loader.generator
+        self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+        overrides: dict[str, Any] = {}
         target = self._target
         if target is not None and target != current and self.phase in (TUNING, SETTLED):
+            overrides.update(target.to_loader_kwargs())
+        resumable = self._resumable_overrides(loader)
+        overrides.update(resumable)
+        if overrides:
             try:
-                loader = _lightning.rebuild_dataloader(loader, target.to_loader_kwargs())
-                current = target
+                loader = _lightning.rebuild_dataloader(loader, overrides)
+                current = LoaderSettings.from_loader(loader)
             except _lightning.NotRebuildableError as ex:
                 self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
+        self._resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
         self._current = current
         return loader
+
+    def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
+        """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
+        if self.mode == "epoch" or self.phase not in (TUNING, SETTLED):
+            return {}
+        bs = loader.batch_sampler
+        if isinstance(bs, ResumableBatchSampler):
+            return {}
+        if isinstance(loader.dataset, IterableDataset) or type(bs) is not BatchSampler:
+            if self.mode == "in_epoch":
+                warn_once(
+                    "no-in-epoch",
+                    "DataLoaderTuner: in-epoch switching needs a map-style dataset with a plain BatchSampler "
+                    f"(this loader has {type(bs).__name__}); switching at epoch boundaries instead, where "
+                    "no sample can be lost or repeated.",
+                )
+            return {}
+        return {
+            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last),
+            "batch_size": 1,
+            "shuffle": False,
+            "sampler": None,
+            "drop_last": False,
+        }
 
     def _disable(self, key: str, message: str) -> None:
         if self.phase == TUNING:
             self.phase = DISABLED
         warn_once(key, f"DataLoaderTuner: {message}.")
 
-    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings) -> None:
-        """Make the next epoch run on ``settings`` (no-op when the current loader already has them)."""
+    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False) -> None:
+        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
         self._target = settings
         datamodule = getattr(trainer, "datamodule", None)
         if isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = settings
-        if settings != self._current and not _is_last_epoch(trainer):
+        if settings == self._current:
+            self._pending = None
+        elif now:
+            self._pending = settings
+        elif not _is_last_epoch(trainer):
             _lightning.request_train_reload(trainer)
+
+    # ------------------------------------------------------------------------------------------------------
+    # in-epoch switching and worker-death recovery
+    # ------------------------------------------------------------------------------------------------------
+    def _before_fetch(self) -> None:
+        if self._guard_needed:
+            self._install_guard()
+        self.timer.fetch_started()
+
+    def _install_guard(self) -> None:
+        self._guard_needed = False
+        assert self._trainer is not None
+        mode_iter = _lightning.train_mode_iterator(self._trainer)
+        if mode_iter is None or len(mode_iter.iterators) != 1 or isinstance(mode_iter.iterators[0], GuardedIterator):
+            return
+        loader = mode_iter.iterables[0]
+        if not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
+            return
+        mode_iter.iterators[0] = GuardedIterator(
+            loader, mode_iter.iterators[0], self._switch_if_pending, self._recover, _lightning.detach_from_sigchld
+        )
+
+    def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
+        if self._pending is None:
+            return None
+        settings, self._pending = self._pending, None
+        self.timer.rebuilt_in_fetch()
+        return self._replace_loader(loader, settings)
+
+    def _replace_loader(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
+        assert self._trainer is not None
+        with _lightning.recording():
+            new = _lightning.rebuild_dataloader(loader, settings.to_loader_kwargs())
+        _lightning.shutdown_workers(loader)
+        _lightning.replace_train_loader(self._trainer, new)
+        self._current = settings
+        return new
+
+    def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
+        """A worker died: record the config as failed, fall back, and continue the epoch at ``position``."""
+        if self._recoveries >= _MAX_RECOVERIES or self._current is None or self._trainer is None:
+            return None
+        self._recoveries += 1
+        failed = self._current
+        self.trials.append(Trial(failed, self._close_window(), failed=f"worker died: {error}"))
+        usable = [t for t in self.trials if t.usable and t.settings != failed]
+        fallback = pick_best(usable, self.policy).settings if usable else failed.with_workers(failed.num_workers // 2)
+        if self.phase == TUNING:
+            self._settle(self._trainer, fallback, apply=False)
+        self._target = fallback
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if isinstance(datamodule, TunableDataModuleMixin):
+            datamodule.loader_settings = fallback
+        warn_once(
+            f"worker-death-{self._recoveries}",
+            f"DataLoaderTuner: a DataLoader worker died ({error}). Rebuilt the train loader with "
+            f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self._trainer.current_epoch} "
+            f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
+        )
+        self.timer.rebuilt_in_fetch()
+        return self._replace_loader(loader, fallback)
 
     # ------------------------------------------------------------------------------------------------------
     # measurement hooks
@@ -237,6 +362,36 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.timer.epoch_started()
+        self._keep_rng_as_untuned(trainer)
+        self._guard_needed = self._resumable
+        self._in_epoch = (
+            self._resumable
+            and self.phase == TUNING
+            and (
+                self.mode == "in_epoch"
+                or (self.mode == "auto" and trainer.num_training_batches >= 8 * self.window_steps)
+                or self._in_epoch
+            )
+        )
+
+    def _keep_rng_as_untuned(self, trainer: "pl.Trainer") -> None:
+        """Leave the global random state as a run that never changed the loader would have it, so each
+        epoch's sample order depends on the seed and the epoch, not on what the tuner did.
+
+        A loader built for this epoch already created its iterator (drawing a base seed, and for persistent
+        workers the epoch's order too): undo that. A persistent iterator that is reset instead of recreated
+        skips the base-seed draw a new iterator makes: make it, if the user's own loader would have.
+        """
+        saved, self._rng_before_build = self._rng_before_build, None
+        loader = trainer.train_dataloader
+        if trainer.current_epoch == 0 or self._start is None or not isinstance(loader, DataLoader):
+            return
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            if saved[1] is not None and loader.generator is not None:
+                loader.generator.set_state(saved[1])
+        if not self._start.persistent_workers and _lightning.will_reuse_iterator(loader):
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
     @override
     def on_train_batch_start(
@@ -256,6 +411,13 @@ class DataLoaderTuner(Callback):
         if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
             self._steps_since_log = 0
             self._log(trainer)
+        if self._resumable and self.phase == TUNING and self.timer.window_steps >= self.window_steps:
+            left = trainer.num_training_batches - (batch_idx + 1)
+            if not self._in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
+                predicted = trainer.num_training_batches * self.timer.peek_window().mean_wall_s
+                self._in_epoch = predicted >= _LONG_EPOCH_S
+            if self._in_epoch and left > self.policy.min_steps:
+                self._close_trial(trainer, now=True)
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -305,28 +467,36 @@ class DataLoaderTuner(Callback):
             return
         if self.timer.window_steps < self.policy.min_steps and not _is_last_epoch(trainer):
             return  # pool short epochs into one trial
+        if self._in_epoch:
+            return  # windows run inside the epoch and carry over into the next one
+        self._close_trial(trainer, now=False)
+
+    def _close_trial(self, trainer: "pl.Trainer", now: bool) -> None:
+        assert self._current is not None
         trial = Trial(self._current, self._close_window())
         if self.phase in (OBSERVING, DISABLED):
             self.trials.append(trial)
             return
         decision = decide([*self.trials, trial], self._budget(), self.policy)
-        decision = trainer.strategy.broadcast(decision, src=0)  # every rank must reload at the same epoch
+        decision = trainer.strategy.broadcast(decision, src=0)  # every rank must switch at the same step
         self.trials.append(Trial(trial.settings, trial.stats, trial.failed, _decision_text(decision)))
         if decision.action == "try":
-            self._apply(trainer, decision.settings)
+            self._apply(trainer, decision.settings, now=now)
         elif decision.action == "settle":
-            self._settle(trainer, decision.settings)
+            self._settle(trainer, decision.settings, now=now)
 
     def _budget(self) -> Budget:
         if self.budget is None:
             self.budget = make_budget(cpu_budget(), self.max_workers, self.max_prefetch)
         return self.budget
 
-    def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings) -> None:
+    def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False, apply: bool = True) -> None:
         self.phase = SETTLED
+        self._in_epoch = False
         self.best_settings = settings.to_loader_kwargs()
         self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy)
-        self._apply(trainer, settings)
+        if apply:
+            self._apply(trainer, settings, now=now)
         if self.verbose:
             rank_zero_info(
                 "DataLoaderTuner settled on "

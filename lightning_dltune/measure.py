@@ -188,6 +188,10 @@ class StepTimer:
         """A new loader is about to be built: the time until its first batch is start-up cost."""
         self._requested_at = self._clock()
 
+    def rebuilt_in_fetch(self) -> None:
+        """The loader was replaced inside the current fetch: this step is start-up cost, not steady state."""
+        self._first_after_build = True
+
     def epoch_started(self) -> None:
         now = self._clock()
         if self._requested_at is not None:
@@ -255,6 +259,9 @@ class StepTimer:
     @property
     def log_steps(self) -> int:
         return self._log.steps
+
+    def peek_window(self) -> WindowStats:
+        return self._window.stats()
 
     def take_window(self) -> WindowStats:
         stats = self._window.stats()

@@ -3,12 +3,13 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import CORES, EpochClock, make_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
+
+from helpers import CORES, EpochClock, make_trainer
 
 
 def latency_dataset(length=320):
@@ -54,7 +55,8 @@ class LoaderSpy(pl.Callback):
         self.seen = []
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self.seen.append((trainer.train_dataloader.num_workers, trainer.train_dataloader.batch_size))
+        dl = trainer.train_dataloader
+        self.seen.append((dl.num_workers, dl.batch_sampler.batch_size))
 
 
 def test_plain_dataloader_is_rebuilt_and_tensorboard_gets_the_scalars(tmp_path):

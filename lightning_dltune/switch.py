@@ -1,0 +1,135 @@
+"""Switching the train loader inside an epoch without losing or repeating a sample.
+
+* :class:`ResumableBatchSampler` is a ``BatchSampler`` that fixes the epoch's batches when the epoch begins
+  (one draw from the sampler, exactly as a plain ``BatchSampler`` would make) and can start a later iterator
+  at batch ``k`` of that same order. Being a ``BatchSampler`` subclass, Lightning can still inject its
+  ``DistributedSampler`` into it.
+* :class:`GuardedIterator` wraps the loader iterator the training loop pulls from. Between two fetches it
+  can replace the loader (new settings, same batch sampler, resumed at the number of batches the loop has
+  consumed), and when a worker process dies it rebuilds with a fallback config and fetches the same batch
+  again. Whatever the old workers had prefetched is dropped, never delivered.
+
+The iterator of a replacement loader is created under :func:`torch.random.fork_rng`, so the global random
+state, and with it every later epoch's order, is the same as in a run that never switched.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler
+
+
+class ResumableBatchSampler(BatchSampler):
+    """A ``BatchSampler`` whose current epoch can be resumed at any batch.
+
+    ``__iter__`` starts a new epoch (drawing the order from ``sampler``) unless :meth:`resume_at` was called,
+    in which case it yields the rest of the current epoch from that batch on. The order is kept as one flat
+    ``array('q')`` of indices: 8 bytes per sample.
+    """
+
+    def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        self._order: array | None = None
+        self._resume: int | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._resume = self._resume, None
+        if start is None or self._order is None:
+            order = array("q")
+            for batch in super().__iter__():
+                order.extend(batch)
+            self._order = order
+            start = 0
+        order = self._order
+        n = len(self)
+        bs = self.batch_size
+        for b in range(start, n):
+            yield order[b * bs : (b + 1) * bs].tolist()
+
+    def resume_at(self, batch: int) -> None:
+        """The next ``__iter__`` continues the current epoch at ``batch`` (0-based) instead of starting anew."""
+        if self._order is None:
+            raise RuntimeError("`resume_at` needs an epoch in progress: iterate the sampler first.")
+        if not 0 <= batch <= len(self):
+            raise ValueError(f"`batch` must be in [0, {len(self)}], got {batch}.")
+        self._resume = batch
+
+    @property
+    def epoch_order(self) -> list[int]:
+        """Every sample index of the current epoch, in order (empty before the first epoch)."""
+        return [] if self._order is None else self._order.tolist()
+
+
+def is_worker_death(error: BaseException) -> bool:
+    """True for PyTorch's "a worker process died" errors (killed by a signal, OOM, bus error); a dataset
+    that raises is not a worker death: it would fail the same way with any settings."""
+    text = str(error)
+    return (
+        isinstance(error, RuntimeError)
+        and "DataLoader worker" in text
+        and ("exited unexpectedly" in text or "killed by signal" in text)
+    )
+
+
+class GuardedIterator(Iterator[Any]):
+    """The iterator the training loop pulls train batches from, able to change loaders between fetches.
+
+    Args:
+        loader: the current ``DataLoader`` (its batch sampler is a :class:`ResumableBatchSampler`).
+        inner: the iterator of ``loader`` the loop was using.
+        replace: ``replace(loader) -> new_loader | None`` is asked before every fetch; a loader it returns
+            takes over at the current position.
+        on_death: ``on_death(error, loader, position) -> new_loader | None`` is asked when a worker died;
+            ``None`` re-raises the error.
+        prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        inner: Iterator[Any],
+        replace: Callable[[Any], Any],
+        on_death: Callable[[BaseException, Any, int], Any],
+        prepare: Callable[[Iterator[Any]], None],
+    ) -> None:
+        self.loader = loader
+        self.inner = inner
+        self.position = 0
+        self._replace = replace
+        self._on_death = on_death
+        self._prepare = prepare
+        prepare(inner)
+
+    def __next__(self) -> Any:
+        new = self._replace(self.loader)
+        if new is not None:
+            self._switch(new)
+        while True:
+            try:
+                batch = next(self.inner)
+            except StopIteration:
+                raise
+            except RuntimeError as ex:
+                if not is_worker_death(ex):
+                    raise
+                new = self._on_death(ex, self.loader, self.position)
+                if new is None:
+                    raise
+                self._switch(new)
+                continue
+            self.position += 1
+            return batch
+
+    def _switch(self, new: Any) -> None:
+        sampler = new.batch_sampler
+        if not isinstance(sampler, ResumableBatchSampler):
+            raise TypeError("a replacement loader must keep the ResumableBatchSampler of the epoch")
+        sampler.resume_at(self.position)
+        with torch.random.fork_rng(devices=[]):
+            inner = iter(new)
+        self._prepare(inner)
+        self.loader, self.inner = new, inner

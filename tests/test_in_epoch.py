@@ -1,0 +1,144 @@
+import os
+import signal
+
+import lightning.pytorch as pl
+import psutil
+import pytest
+import torch
+from lightning.fabric.utilities.data import _update_dataloader
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+
+from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune._lightning import recording
+from lightning_dltune.switch import ResumableBatchSampler, is_worker_death
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+from helpers import make_trainer
+
+# ---------------------------------------------------------------------------------------------------------
+# the sampler
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_same_batches_as_a_plain_batch_sampler_and_resume_continues_the_epoch():
+    data = range(23)
+    torch.manual_seed(3)
+    plain = [list(b) for b in BatchSampler(RandomSampler(data), 5, False)]
+    torch.manual_seed(3)
+    rbs = ResumableBatchSampler(RandomSampler(data), 5, False)
+    assert list(rbs) == plain and len(rbs) == 5
+    rbs.resume_at(3)
+    assert list(rbs) == plain[3:]
+    assert sorted(rbs.epoch_order) == list(range(23))
+    assert list(rbs) != plain  # a plain __iter__ starts the next epoch with a new order
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_resume_at_every_position(drop_last):
+    rbs = ResumableBatchSampler(range(10), 3, drop_last)
+    full = list(rbs)
+    for k in range(len(rbs) + 1):
+        rbs.resume_at(k)
+        assert list(rbs) == full[k:]
+    with pytest.raises(ValueError, match=r"`batch` must be in \[0, "):
+        rbs.resume_at(len(rbs) + 1)
+
+
+def test_lightning_can_still_inject_its_distributed_sampler():
+    with recording():
+        dl = DataLoader(list(range(20)), batch_sampler=ResumableBatchSampler(RandomSampler(range(20)), 4, False))
+    ddp = _update_dataloader(dl, DistributedSampler(list(range(20)), num_replicas=2, rank=1, shuffle=False))
+    assert isinstance(ddp.batch_sampler, ResumableBatchSampler)
+    assert [i for b in ddp.batch_sampler for i in b] == list(range(1, 20, 2))
+
+
+@pytest.mark.parametrize(
+    ("message", "death"),
+    [
+        ("DataLoader worker (pid(s) 123) exited unexpectedly", True),
+        ("DataLoader worker (pid 77) is killed by signal: Bus error. It is possible that ...", True),
+        ("Caught KeyError in DataLoader worker process 0.", False),
+    ],
+)
+def test_worker_death_is_told_apart_from_a_dataset_error(message, death):
+    assert is_worker_death(RuntimeError(message)) is death
+    assert not is_worker_death(ValueError(message))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exact sample accounting in a real Trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class EpochIndices(pl.Callback):
+    def __init__(self):
+        self.epochs: list[list[int]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._start = len(pl_module.seen_indices)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs.append(pl_module.seen_indices[self._start :])
+
+
+class PlainModel(SimulatedModel):
+    def __init__(self, dataset, **kwargs):
+        super().__init__(**kwargs)
+        self.dataset = dataset
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=8, shuffle=True)
+
+
+def run(tmp_path, tuner, path, epochs=3, workers=0, extra=()):
+    pl.seed_everything(7, workers=True)
+    dataset = SyntheticDataset(length=480, latency_ms=2.0)
+    record = EpochIndices()
+    if path == "mixin":
+        model, dm = SimulatedModel(step_ms=1), SyntheticDataModule(dataset, batch_size=8, num_workers=workers)
+    else:
+        model, dm = PlainModel(dataset, step_ms=1), None
+    trainer = make_trainer(tmp_path, [tuner, record, *extra], max_epochs=epochs, logger=False)
+    trainer.fit(model, datamodule=dm)
+    return record.epochs
+
+
+@pytest.mark.parametrize("path", ["mixin", "plain"])
+def test_mid_epoch_switches_train_on_exactly_the_untuned_order(tmp_path, path):
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), path)
+    tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
+    tuned = run(tmp_path / "b", tuner, path)
+
+    assert len(tuned) == len(reference) == 3
+    for epoch, (got, want) in enumerate(zip(tuned, reference, strict=True)):
+        assert sorted(got) == list(range(480)), f"epoch {epoch} is not an exact permutation"
+        assert got == want, f"epoch {epoch}: order differs from the untuned run"
+    # it really switched inside the first epoch (60 batches, windows of 10 steps)
+    configs = [t.settings for t in tuner.trials]
+    assert len(set(configs)) >= 2 and configs[0].num_workers == 0
+    assert sum(t.stats.steps for t in tuner.trials[: len(set(configs))]) < 60
+
+
+class KillAWorker(pl.Callback):
+    def __init__(self, at_batch):
+        self.at_batch = at_batch
+        self.killed = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == self.at_batch:
+            workers = psutil.Process().children()
+            self.killed = workers[0].pid
+            os.kill(self.killed, signal.SIGKILL)
+
+
+def test_a_killed_worker_is_replaced_and_the_epoch_continues_exactly(tmp_path):
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=4)
+    tuner = DataLoaderTuner(mode="in_epoch", max_trials=1)
+    killer = KillAWorker(at_batch=12)
+    with pytest.warns(DLTuneWarning, match=r"a DataLoader worker died .*continued epoch 0 at batch 1[3-9]"):
+        tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=4, extra=[killer])
+    assert killer.killed is not None
+    assert tuned == reference
+    failed = [t for t in tuner.trials if t.failed]
+    assert failed and failed[0].settings.num_workers == 4 and "worker died" in failed[0].failed
+    assert tuner.best_settings["num_workers"] != 4  # a config whose worker died is not chosen again
