@@ -129,6 +129,32 @@ def run_workload(name: str, epochs: int, grid: list[int]) -> dict[str, Any]:
     }
 
 
+def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
+    """One long latency-bound epoch started at 0 workers: where does the tuner settle, and how does the
+    whole run compare with the best static config of ``grid``? (Lower worker counts are left out of the
+    grid: at 0-2 workers this epoch takes minutes, and they cannot be the oracle.)"""
+    w = {"make": lambda n: SyntheticDataset(n, latency_ms=10.0), "samples": steps * BATCH, "step_ms": 5.0}
+    static = {}
+    for k in grid:
+        static[k] = fit_once(w, k, 1, None)
+        print(f"  long_epoch   static workers={k:<3d} {static[k]:7.2f} s", flush=True)
+    tuner = DataLoaderTuner(verbose=False, report_path=False)
+    tuned = fit_once(w, 0, 1, tuner)
+    oracle_k = min(static, key=static.get)
+    print(f"  long_epoch   tuner settled at step {tuner.settled_step} of {steps} {tuned:7.2f} s", flush=True)
+    return {
+        "steps": steps,
+        "settled_step": tuner.settled_step,
+        "settled_frac": (tuner.settled_step or steps) / steps,
+        "tuner_workers": tuner.best_settings["num_workers"],
+        "tuner_s": tuned,
+        "oracle_workers": oracle_k,
+        "oracle_s": static[oracle_k],
+        "ratio": tuned / static[oracle_k],
+        "static_grid": {str(k): v for k, v in static.items()},
+    }
+
+
 def hook_overhead_us(n: int = 20000) -> float:
     """Host cost of the per-step measurement (timer calls + batch-size extraction), in microseconds."""
     from lightning_dltune.callback import _batch_size
@@ -172,6 +198,14 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {r['workload']}: {r['what']} | {cell('default')} | {cell('lightning_suggested')} | "
             f"{cell('rule_of_thumb')} | 1.00x ({k['oracle']}w, {o:.1f} s) | {cell('tuner')} |"
         )
+    le = results["long_epoch"]
+    lines += [
+        "",
+        f"One long latency-bound epoch ({le['steps']} steps, 10 ms per sample, from 0 workers, in-epoch "
+        f"switching): the tuner settled on {le['tuner_workers']} workers at step {le['settled_step']} "
+        f"({le['settled_frac']:.0%} of the epoch); whole run {le['tuner_s']:.1f} s vs the oracle's "
+        f"{le['oracle_s']:.1f} s ({le['oracle_workers']} workers): {le['ratio']:.2f}x.",
+    ]
     ov = results["overhead"]
     lines += [
         "",
@@ -211,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             "nproc": os.cpu_count(),
         },
         "accelerator": "simulated (sleep in training_step)",
-        "workloads": [run_workload(n, epochs, grid) for n in names],
+        "workloads": [run_workload(n, epochs, grid) for n in names if n in WORKLOADS],
+        "long_epoch": long_epoch(200, [8, 16]) if args.quick else long_epoch(600, [4, 8, 16]),
         "overhead": {
             "hook_us_per_step": hook_overhead_us(),
             "observe_only": observe_overhead(2 if args.quick else 4, 1 if args.quick else 3),

@@ -38,6 +38,7 @@ TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabl
 MODES = ("auto", "epoch", "in_epoch")
 _MAX_RECOVERIES = 3
 _LONG_EPOCH_S = 60.0
+_OBVIOUS_STALL = 0.5
 
 
 class DataLoaderTuner(Callback):
@@ -80,6 +81,7 @@ class DataLoaderTuner(Callback):
         best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
         trials: the measured :class:`~lightning_dltune.decide.Trial` history.
         diagnosis: one sentence on what bounds training.
+        settled_step: the global step at which tuning settled (``None`` until then).
         report: the report written at the end of ``fit`` (a dict).
 
     Logged Metrics (every ``log_every_n_steps``, to every logger, on rank zero):
@@ -150,6 +152,7 @@ class DataLoaderTuner(Callback):
         self.verbose = verbose
 
         self.best_settings: dict[str, Any] | None = None
+        self.settled_step: int | None = None
         self.trials: list[Trial] = []
         self.diagnosis: str = ""
         self.report: dict[str, Any] | None = None
@@ -411,13 +414,21 @@ class DataLoaderTuner(Callback):
         if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
             self._steps_since_log = 0
             self._log(trainer)
-        if self._resumable and self.phase == TUNING and self.timer.window_steps >= self.window_steps:
+        if self._resumable and self.phase == TUNING and self._window_done():
             left = trainer.num_training_batches - (batch_idx + 1)
             if not self._in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
                 predicted = trainer.num_training_batches * self.timer.peek_window().mean_wall_s
                 self._in_epoch = predicted >= _LONG_EPOCH_S
             if self._in_epoch and left > self.policy.min_steps:
                 self._close_trial(trainer, now=True)
+
+    def _window_done(self) -> bool:
+        """A window is full after ``window_steps``, or after ``min_steps`` when the loader is plainly the
+        bottleneck (half the time or more spent waiting): no need to wait longer to decide."""
+        steps = self.timer.window_steps
+        if steps >= self.window_steps:
+            return True
+        return steps >= self.policy.min_steps and self.timer.peek_window().stall_frac >= _OBVIOUS_STALL
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -493,6 +504,7 @@ class DataLoaderTuner(Callback):
     def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False, apply: bool = True) -> None:
         self.phase = SETTLED
         self._in_epoch = False
+        self.settled_step = trainer.global_step
         self.best_settings = settings.to_loader_kwargs()
         self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy)
         if apply:
@@ -519,7 +531,7 @@ class DataLoaderTuner(Callback):
             phase=self.phase,
             diagnosis=self.diagnosis,
             budget=self.budget,
-            extra={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            extra={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "settled_step": self.settled_step},
         )
         self._write_report(trainer)
 
