@@ -23,7 +23,13 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop.epoch_loop", "_on_after_fetch"),
 )
 # PyTorch DataLoader internals used for in-epoch switching and worker-death recovery.
-TORCH_PRIVATE: tuple[str, ...] = ("_iterator", "_shutdown_workers", "_worker_pids_set", "_remove_worker_pids")
+TORCH_PRIVATE: tuple[str, ...] = (
+    "_iterator",
+    "_workers",
+    "_shutdown_workers",
+    "_worker_pids_set",
+    "_remove_worker_pids",
+)
 
 _SAVED_KWARGS = "__pl_saved_kwargs"
 _SAVED_ARGS = "__pl_saved_args"
@@ -199,3 +205,19 @@ def detach_from_sigchld(iterator: Iterator[Any]) -> None:
 def will_reuse_iterator(loader: Any) -> bool:
     """True when ``iter(loader)`` resets an existing persistent-worker iterator instead of creating one."""
     return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None
+
+
+def worker_died(iterator: Iterator[Any], wait_s: float = 2.0) -> bool:
+    """True when a worker process of a multi-process loader iterator is dead, waiting up to ``wait_s`` for a
+    killed one to be reaped (its broken pipe can reach the main process before its exit does)."""
+    import time
+
+    workers = getattr(iterator, "_workers", None) or []
+    deadline = time.monotonic() + wait_s
+    while workers:
+        if any(not w.is_alive() for w in workers):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return False

@@ -316,7 +316,12 @@ class DataLoaderTuner(Callback):
         if not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
             return
         mode_iter.iterators[0] = GuardedIterator(
-            loader, mode_iter.iterators[0], self._switch_if_pending, self._recover, _lightning.detach_from_sigchld
+            loader,
+            mode_iter.iterators[0],
+            self._switch_if_pending,
+            self._recover,
+            _lightning.detach_from_sigchld,
+            _lightning.worker_died,
         )
 
     def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:

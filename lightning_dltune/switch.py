@@ -64,15 +64,15 @@ class ResumableBatchSampler(BatchSampler):
         return [] if self._order is None else self._order.tolist()
 
 
-def is_worker_death(error: BaseException) -> bool:
-    """True for PyTorch's "a worker process died" errors (killed by a signal, OOM, bus error); a dataset
-    that raises is not a worker death: it would fail the same way with any settings."""
+def is_worker_death(error: BaseException, worker_dead: bool = False) -> bool:
+    """True for PyTorch's "a worker process died" errors (killed by a signal, OOM, bus error), and for the
+    broken-pipe errors a dead worker leaves behind when it dies holding a batch's shared memory
+    (``worker_dead`` says whether one of the loader's workers is in fact dead). A dataset that raises is not
+    a worker death: it would fail the same way with any settings."""
     text = str(error)
-    return (
-        isinstance(error, RuntimeError)
-        and "DataLoader worker" in text
-        and ("exited unexpectedly" in text or "killed by signal" in text)
-    )
+    if isinstance(error, RuntimeError) and "DataLoader worker" in text:
+        return "exited unexpectedly" in text or "killed by signal" in text
+    return worker_dead and isinstance(error, (ConnectionError, EOFError))
 
 
 class GuardedIterator(Iterator[Any]):
@@ -86,6 +86,7 @@ class GuardedIterator(Iterator[Any]):
         on_death: ``on_death(error, loader, position) -> new_loader | None`` is asked when a worker died;
             ``None`` re-raises the error.
         prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
+        worker_dead: whether one of an inner iterator's worker processes has died.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class GuardedIterator(Iterator[Any]):
         replace: Callable[[Any], Any],
         on_death: Callable[[BaseException, Any, int], Any],
         prepare: Callable[[Iterator[Any]], None],
+        worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -102,6 +104,7 @@ class GuardedIterator(Iterator[Any]):
         self._replace = replace
         self._on_death = on_death
         self._prepare = prepare
+        self._worker_dead = worker_dead
         prepare(inner)
 
     def __next__(self) -> Any:
@@ -113,8 +116,8 @@ class GuardedIterator(Iterator[Any]):
                 batch = next(self.inner)
             except StopIteration:
                 raise
-            except RuntimeError as ex:
-                if not is_worker_death(ex):
+            except (RuntimeError, ConnectionError, EOFError) as ex:
+                if not is_worker_death(ex, self._worker_dead(self.inner)):
                     raise
                 new = self._on_death(ex, self.loader, self.position)
                 if new is None:

@@ -48,3 +48,21 @@ def test_recorded_dataloader_arguments_are_where_the_rebuild_reads_them():
     assert getattr(dl, _lightning._SAVED_ARGS) == (list(range(8)), 4, True)
     assert getattr(dl, _lightning._SAVED_ARG_NAMES) == ("dataset", "batch_size", "shuffle")
     assert isinstance(getattr(dl, _lightning._SAVED_KWARGS), dict)
+
+
+def test_torch_dataloader_internals_used_for_switching_exist():
+    from torch.utils.data._utils import signal_handling
+
+    dl = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True)
+    it = iter(dl)
+    next(it)
+    try:
+        assert dl._iterator is it
+        for name in ("_workers", "_shutdown_workers", "_worker_pids_set"):
+            assert hasattr(it, name), f"torch moved DataLoader iterator attribute `{name}`: update _lightning.py"
+        assert callable(signal_handling._remove_worker_pids)
+        assert _lightning.worker_died(it, wait_s=0) is False
+        _lightning.detach_from_sigchld(it)
+        assert it._worker_pids_set is False
+    finally:
+        _lightning.shutdown_workers(dl)
