@@ -37,6 +37,10 @@ _SAVED_ARG_NAMES = "__pl_saved_arg_names"
 _PARKED_CONTEXT = "_dltune_multiprocessing_context"
 
 
+REMOVE = object()
+"""An override value that drops the argument from the rebuilt loader's constructor call."""
+
+
 class NotRebuildableError(RuntimeError):
     """The train loader cannot be rebuilt with other settings; the tuner leaves it alone."""
 
@@ -108,7 +112,7 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoa
 
     Positional constructor arguments are passed by name, so Lightning can rebuild the result again for its
     distributed sampler. The sampler, batch sampler, ``collate_fn``, ``worker_init_fn``, ``generator`` and
-    ``multiprocessing_context`` of the original are kept.
+    ``multiprocessing_context`` of the original are kept. An override of :data:`REMOVE` drops an argument.
 
     Raises:
         NotRebuildableError: when the loader's constructor arguments cannot be recovered.
@@ -138,6 +142,7 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoa
             f"`{type(loader).__name__}` was built with {len(args)} positional arguments that cannot be named."
         )
     kwargs = {**dict(zip(names, args, strict=False)), **kwargs, **overrides}
+    kwargs = {k: v for k, v in kwargs.items() if v is not REMOVE}
     # PyTorch rejects a multiprocessing context without workers: park it on the loader for the way back
     context = loader.__dict__.get(_PARKED_CONTEXT, getattr(loader, "multiprocessing_context", None))
     kwargs["multiprocessing_context"] = context if kwargs.get("num_workers", 0) > 0 else None

@@ -275,7 +275,9 @@ class DataLoaderTuner(Callback):
         return {
             "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last),
             "batch_size": 1,
-            "shuffle": False,
+            # no `shuffle`: Lightning then reads it from batch_sampler.sampler when it injects its
+            # DistributedSampler (an explicit False would turn shuffling off under DDP)
+            "shuffle": _lightning.REMOVE,
             "sampler": None,
             "drop_last": False,
         }

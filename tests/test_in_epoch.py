@@ -52,6 +52,22 @@ def test_lightning_can_still_inject_its_distributed_sampler():
     assert [i for b in ddp.batch_sampler for i in b] == list(range(1, 20, 2))
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_resumable_loader_stays_shuffled_for_lightnings_sampler_injection(tmp_path, shuffle):
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(SyntheticDataset(64), 8, shuffle)
+
+    tuner = DataLoaderTuner(max_trials=1)
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=1, logger=False)
+    trainer.fit(M(step_ms=0))
+    dl = trainer.train_dataloader
+    assert isinstance(dl.batch_sampler, ResumableBatchSampler)
+    assert _is_dataloader_shuffled(dl) is shuffle
+
+
 @pytest.mark.parametrize(
     ("message", "death"),
     [
