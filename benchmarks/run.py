@@ -100,7 +100,7 @@ def run_workload(name: str, epochs: int, grid: list[int]) -> dict[str, Any]:
     for k in counts:
         static[k] = fit_once(w, k, epochs, None)
         print(f"  {name:12s} static workers={k:<3d} {static[k]:7.2f} s", flush=True)
-    tuner = DataLoaderTuner(verbose=False, report_path=False)
+    tuner = DataLoaderTuner(verbose=False, report_path=False, cache=False)
     tuned = fit_once(w, 0, epochs, tuner)
     print(f"  {name:12s} tuner -> {tuner.best_settings['num_workers']} workers {tuned:7.2f} s", flush=True)
     oracle_k = min(static, key=static.get)
@@ -138,7 +138,7 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
     for k in grid:
         static[k] = fit_once(w, k, 1, None)
         print(f"  long_epoch   static workers={k:<3d} {static[k]:7.2f} s", flush=True)
-    tuner = DataLoaderTuner(verbose=False, report_path=False)
+    tuner = DataLoaderTuner(verbose=False, report_path=False, cache=False)
     tuned = fit_once(w, 0, 1, tuner)
     oracle_k = min(static, key=static.get)
     print(f"  long_epoch   tuner settled at step {tuner.settled_step} of {steps} {tuned:7.2f} s", flush=True)
@@ -177,7 +177,9 @@ def observe_overhead(epochs: int, reps: int) -> dict[str, float]:
     ratios = []
     for _ in range(reps):
         plain = fit_once(w, 0, epochs, None)
-        observed = fit_once(w, 0, epochs, DataLoaderTuner(observe_only=True, verbose=False, report_path=False))
+        observed = fit_once(
+            w, 0, epochs, DataLoaderTuner(observe_only=True, verbose=False, report_path=False, cache=False)
+        )
         ratios.append(observed / plain)
     return {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,18 @@ from typing_extensions import override
 from lightning_dltune import _lightning
 from lightning_dltune._warn import warn_once
 from lightning_dltune.budget import cpu_budget, make_budget
+from lightning_dltune.cache import TuningCache, default_cache_path
 from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best
 from lightning_dltune.measure import StepTimer, WindowStats, process_cpu_seconds
 from lightning_dltune.mixin import TunableDataModuleMixin
-from lightning_dltune.report import REPORT_NAME, build_report, summary_table, write_json_atomic
+from lightning_dltune.report import (
+    REPORT_NAME,
+    build_report,
+    summary_table,
+    trial_from_dict,
+    trial_to_dict,
+    write_json_atomic,
+)
 from lightning_dltune.settings import LoaderSettings, check_num_workers
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 
@@ -33,12 +43,16 @@ NUM_WORKERS = PREFIX + "num_workers"
 PREFETCH_FACTOR = PREFIX + "prefetch_factor"
 GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
 GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
+STALL_SPREAD = PREFIX + "stall_frac_spread"
+_STATE_VERSION = 1
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
 
 TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabled"
 MODES = ("auto", "epoch", "in_epoch")
 _MAX_RECOVERIES = 3
 _LONG_EPOCH_S = 60.0
 _OBVIOUS_STALL = 0.5
+_CACHE_TOLERANCE = 0.8  # cached settings hold while they deliver 80% of the cached throughput
 
 
 class DataLoaderTuner(Callback):
@@ -70,6 +84,10 @@ class DataLoaderTuner(Callback):
             loaders fall back to epoch boundaries with one message.
         window_steps: steps per measurement window in in-epoch mode.
         log_gpu: sample GPU utilization and memory through NVML on CUDA.
+        cache: where settled settings are remembered across runs: ``None`` uses ``$DLTUNE_CACHE`` or
+            ``~/.cache/lightning-dltune/cache.json``, a path uses that file, ``False`` disables it. A run whose
+            key (host CPUs and memory, accelerator, dataset class and length, batch size, local world size,
+            library version) is cached starts from the cached settings and only verifies them.
         report_path: where to write the JSON report; ``None`` writes ``dltune_report.json`` in the logger's
             directory (or ``default_root_dir``), ``False`` writes none.
         verbose: print the summary table and diagnosis when tuning settles.
@@ -93,6 +111,16 @@ class DataLoaderTuner(Callback):
         - ``dltune/num_workers``: ``num_workers`` of the current train loader
         - ``dltune/prefetch_factor``: its ``prefetch_factor`` (0 when loading in the main process)
         - ``dltune/gpu_util_pct``, ``dltune/gpu_mem_pct``: NVML utilization and memory use (CUDA only, %)
+        - ``dltune/stall_frac_spread``: max minus min stall fraction across ranks (distributed runs only)
+
+    Distributed: every rank measures; each decision is taken on the slowest rank's statistics and the
+    smallest budget of any node (gathered with the strategy's ``all_gather``), and every rank switches at the
+    same step, so Lightning's reload barrier never waits on a rank that decided otherwise.
+
+    Checkpoints: the tuner's phase, trials and settled settings are saved with the callback state (and, with
+    the mixin, the settings with the DataModule's). A run resumed after tuning settled starts on the settled
+    settings and does not tune again; one resumed mid-tuning continues where it was; one resumed mid-epoch
+    continues the epoch's sample order exactly at the saved batch.
 
     Example::
 
@@ -114,6 +142,7 @@ class DataLoaderTuner(Callback):
         mode: str = "auto",
         window_steps: int = 20,
         log_gpu: bool = True,
+        cache: str | Path | bool | None = None,
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
     ) -> None:
@@ -148,6 +177,11 @@ class DataLoaderTuner(Callback):
         self.mode = mode
         self.window_steps = max(window_steps, min_steps + 1)
         self.log_gpu = log_gpu
+        if cache is True:
+            cache = None
+        self.cache = cache
+        self.cache_hit = False
+        self.stall_spread: float | None = None
         self.report_path = report_path
         self.verbose = verbose
 
@@ -174,6 +208,9 @@ class DataLoaderTuner(Callback):
         self._pending: LoaderSettings | None = None
         self._recoveries = 0
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
+        self._cache_fields: dict[str, Any] | None = None
+        self._cached_entry: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -232,6 +269,7 @@ class DataLoaderTuner(Callback):
         current = LoaderSettings.from_loader(loader)
         if self._start is None:
             self._start = current
+            self._lookup_cache(loader)
         if isinstance(loader.dataset, IterableDataset) and self.phase == TUNING:
             self._disable(
                 "iterable",
@@ -253,8 +291,64 @@ class DataLoaderTuner(Callback):
             except _lightning.NotRebuildableError as ex:
                 self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
         self._resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
+        if self._resumable and self._restored_epoch is not None:
+            self._resume_epoch(loader.batch_sampler)
         self._current = current
         return loader
+
+    def _resume_epoch(self, sampler: ResumableBatchSampler) -> None:
+        order, batch = self._restored_epoch or ([], 0)
+        self._restored_epoch = None
+        expected = len(sampler) * sampler.batch_size if sampler.drop_last else None
+        if (expected is not None and len(order) != expected) or -(-len(order) // sampler.batch_size) != len(sampler):
+            warn_once(
+                "resume-order",
+                "DataLoaderTuner: the checkpoint's epoch order does not fit this loader; "
+                "the epoch restarts with a new order.",
+            )
+            return
+        sampler._order = array("q", order)
+        sampler.resume_at(batch)
+
+    def _lookup_cache(self, loader: DataLoader) -> None:
+        if self.cache is False or self.phase != TUNING or self._target is not None or self.trials:
+            return
+        self._cache_fields = self._cache_key_fields(loader)
+        hit = TuningCache(self._cache_path()).get(self._cache_fields)
+        if hit is not None:
+            cached, self._cached_entry = hit
+            self.cache_hit = True
+            self._target = cached
+            rank_zero_info(
+                f"DataLoaderTuner: starting from cached settings {cached.describe()} ({self._cache_path()})."
+            )
+
+    def _cache_path(self) -> Path:
+        return default_cache_path() if self.cache is None else Path(str(self.cache))
+
+    def _cache_key_fields(self, loader: DataLoader) -> dict[str, Any]:
+        import psutil
+
+        from lightning_dltune import __version__
+
+        trainer = self._trainer
+        dataset = loader.dataset
+        batch_sampler = loader.batch_sampler
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        accelerator = device.type
+        if device.type == "cuda":
+            accelerator += ":" + torch.cuda.get_device_name(device)
+        budget = self._budget()
+        return {
+            "cpus": budget.cpus,
+            "memory_gib": round(psutil.virtual_memory().total / 2**30),
+            "accelerator": accelerator,
+            "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+            "dataset_len": len(dataset) if hasattr(dataset, "__len__") else None,
+            "batch_size": getattr(batch_sampler, "batch_size", None) or loader.batch_size,
+            "local_world_size": int(trainer.num_devices) if trainer is not None else 1,
+            "version": __version__,
+        }
 
     def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
         """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
@@ -449,6 +543,9 @@ class DataLoaderTuner(Callback):
         stats = self.timer.take_log_window()
         if self._nvml is not None:
             self._nvml_metrics = self._nvml.take() or self._nvml_metrics
+        if trainer.world_size > 1:
+            stalls = trainer.strategy.all_gather(torch.tensor([stats.stall_frac], dtype=torch.float64))
+            self.stall_spread = float(stalls.max() - stalls.min())
         if not trainer.loggers or stats.steps == 0:
             return
         current = self._current or LoaderSettings()
@@ -461,6 +558,8 @@ class DataLoaderTuner(Callback):
             NUM_WORKERS: float(current.num_workers),
             PREFETCH_FACTOR: float(current.prefetch_factor or 0),
         }
+        if self.stall_spread is not None:
+            metrics[STALL_SPREAD] = self.stall_spread
         if self._nvml_metrics:
             metrics[GPU_UTIL_PCT] = self._nvml_metrics["gpu_util_pct"]
             metrics[GPU_MEM_PCT] = self._nvml_metrics["gpu_mem_pct"]
@@ -491,17 +590,51 @@ class DataLoaderTuner(Callback):
 
     def _close_trial(self, trainer: "pl.Trainer", now: bool) -> None:
         assert self._current is not None
-        trial = Trial(self._current, self._close_window())
+        stats, budget = self._close_window(), self._budget()
+        if trainer.world_size > 1:
+            stats, budget = self._reduce(trainer, stats, budget)
+        trial = Trial(self._current, stats)
         if self.phase in (OBSERVING, DISABLED):
             self.trials.append(trial)
             return
-        decision = decide([*self.trials, trial], self._budget(), self.policy)
+        decision = self._verify_cached(trial) or decide([*self.trials, trial], budget, self.policy)
         decision = trainer.strategy.broadcast(decision, src=0)  # every rank must switch at the same step
         self.trials.append(Trial(trial.settings, trial.stats, trial.failed, _decision_text(decision)))
         if decision.action == "try":
             self._apply(trainer, decision.settings, now=now)
         elif decision.action == "settle":
             self._settle(trainer, decision.settings, now=now)
+
+    def _verify_cached(self, trial: Trial) -> Decision | None:
+        """The first window of a cache hit: keep the cached settings if they still hold."""
+        entry, self._cached_entry = self._cached_entry, None
+        if entry is None or self.trials or self._target != trial.settings or not trial.usable:
+            return None
+        cached_rate = float(entry.get("samples_per_s") or 0.0)
+        stall, rate = trial.stats.stall_frac, trial.stats.samples_per_s
+        if stall <= self.policy.stall_threshold or rate >= _CACHE_TOLERANCE * cached_rate:
+            return Decision(
+                "settle", trial.settings, f"cached settings verified ({rate:.0f} samples/s, stall {stall:.1%})"
+            )
+        return None
+
+    def _reduce(self, trainer: "pl.Trainer", stats: WindowStats, budget: Budget) -> tuple[WindowStats, Budget]:
+        """The slowest rank's statistics and the tightest node budget, the same on every rank."""
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + [budget.cpus, float(budget.max_workers)]
+        table = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64)).reshape(-1, len(row))
+        per_sample = table[:, _STATS_FIELDS.index("wall_s")] / table[:, _STATS_FIELDS.index("samples")].clamp(min=1)
+        slowest = table[int(per_sample.argmax())].tolist()
+        values = dict(zip(_STATS_FIELDS, slowest[: len(_STATS_FIELDS)], strict=True))
+        values["steps"], values["samples"] = int(values["steps"]), int(values["samples"])
+        stall = table[:, _STATS_FIELDS.index("wait_s")] / table[:, _STATS_FIELDS.index("wall_s")].clamp(min=1e-9)
+        self.stall_spread = float(stall.max() - stall.min())
+        reduced = Budget(
+            cpus=float(table[:, -2].min()),
+            max_workers=int(table[:, -1].min()),
+            max_prefetch=budget.max_prefetch,
+            bound_by=budget.bound_by + " (tightest node)",
+        )
+        return WindowStats(**values), reduced
 
     def _budget(self) -> Budget:
         if self.budget is None:
@@ -516,11 +649,75 @@ class DataLoaderTuner(Callback):
         self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy)
         if apply:
             self._apply(trainer, settings, now=now)
+        self._remember(settings)
         if self.verbose:
             rank_zero_info(
                 "DataLoaderTuner settled on "
                 f"{settings.describe()}\n{summary_table(self.trials, settings)}\nDiagnosis: {self.diagnosis}"
             )
+
+    @rank_zero_only
+    def _remember(self, settings: LoaderSettings) -> None:
+        if self.cache is False or self._cache_fields is None:
+            return
+        final = next((t for t in reversed(self.trials) if t.settings == settings and t.usable), None)
+        extra = (
+            {} if final is None else {"samples_per_s": final.stats.samples_per_s, "stall_frac": final.stats.stall_frac}
+        )
+        TuningCache(self._cache_path()).put(self._cache_fields, settings, extra)
+
+    # ------------------------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "phase": self.phase,
+            "trials": [trial_to_dict(t) for t in self.trials],
+            "best_settings": self.best_settings,
+            "start": None if self._start is None else self._start.to_loader_kwargs(),
+            "target": None if self._target is None else self._target.to_loader_kwargs(),
+            "settled_step": self.settled_step,
+            "diagnosis": self.diagnosis,
+        }
+        position = self._epoch_position()
+        if position is not None:
+            state["epoch_order"], state["epoch_batch"] = position
+        return state
+
+    def _epoch_position(self) -> tuple[list[int], int] | None:
+        """The running epoch's order and the batch the loop reached, when a checkpoint is taken mid-epoch."""
+        if self._trainer is None or not self._resumable:
+            return None
+        mode_iter = _lightning.train_mode_iterator(self._trainer)
+        guard = mode_iter.iterators[0] if mode_iter is not None and mode_iter.iterators else None
+        if not isinstance(guard, GuardedIterator):
+            return None
+        sampler = guard.loader.batch_sampler
+        if not 0 < guard.position < len(sampler):
+            return None
+        return sampler.epoch_order, guard.position
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        phase = state_dict.get("phase", TUNING)
+        self.trials = [trial_from_dict(t) for t in state_dict.get("trials", [])]
+        self.best_settings = state_dict.get("best_settings")
+        self.settled_step = state_dict.get("settled_step")
+        self.diagnosis = state_dict.get("diagnosis", "")
+        start, target = state_dict.get("start"), state_dict.get("target")
+        self._start = None if start is None else LoaderSettings.from_dict(start)
+        if not self.observe_only:
+            self.phase = SETTLED if phase == SETTLED else TUNING
+            if phase == SETTLED and self.best_settings is not None:
+                target = self.best_settings
+            self._target = None if target is None else LoaderSettings.from_dict(target)
+            datamodule = getattr(self._trainer, "datamodule", None)
+            if self._target is not None and isinstance(datamodule, TunableDataModuleMixin):
+                datamodule.loader_settings = self._target  # applied now: FSDP/DeepSpeed restore after on_fit_start
+        if "epoch_order" in state_dict:
+            self._restored_epoch = (list(state_dict["epoch_order"]), int(state_dict.get("epoch_batch", 0)))
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

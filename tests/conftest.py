@@ -12,6 +12,12 @@ def _children() -> list[psutil.Process]:
 
 
 @pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Every test gets its own tuning cache, never the user's."""
+    monkeypatch.setenv("DLTUNE_CACHE", str(tmp_path / "dltune_cache.json"))
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail a test that leaves worker processes or dltune threads behind."""
     reset_warnings()

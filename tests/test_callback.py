@@ -80,7 +80,8 @@ def test_plain_dataloader_is_rebuilt_and_tensorboard_gets_the_scalars(tmp_path):
     for key in ("stall_frac", "data_wait_ms", "step_ms", "samples_per_s", "num_workers", "prefetch_factor"):
         assert f"dltune/{key}" in tags, tags
     workers = [e.value for e in events.Scalars("dltune/num_workers")]
-    assert workers[0] == 0 and workers[-1] == tuner.best_settings["num_workers"]
+    assert workers[0] == 0 and max(workers) >= 3 * CORES
+    assert set(workers) <= {float(t.settings.num_workers) for t in tuner.trials}  # logged = what ran
     stall = [e.value for e in events.Scalars("dltune/stall_frac")]
     assert stall[0] > 0.5 and stall[-1] < stall[0] / 2
     assert (tmp_path / "tb" / "version_0" / "dltune_report.json").exists()
