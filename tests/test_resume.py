@@ -1,0 +1,93 @@
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import make_trainer
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+
+class LoaderSpy(pl.Callback):
+    def __init__(self):
+        self.workers = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.workers.append(trainer.train_dataloader.num_workers)
+
+
+def data():
+    return SyntheticDataModule(SyntheticDataset(length=192, latency_ms=10.0), batch_size=16, num_workers=0)
+
+
+def fit(tmp_path, epochs, ckpt_path=None, tuner=None, dm=None, spy=None, every_n_steps=None, **kwargs):
+    tuner = tuner or DataLoaderTuner(cache=False)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1,
+                           every_n_train_steps=every_n_steps)
+    callbacks = [tuner, ckpt] + ([spy] if spy else [])
+    trainer = make_trainer(tmp_path, callbacks, max_epochs=epochs, logger=False, enable_checkpointing=True, **kwargs)
+    trainer.fit(SimulatedModel(step_ms=20), datamodule=dm or data(), ckpt_path=ckpt_path)
+    return tuner, trainer
+
+
+def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_tune(tmp_path):
+    first, _ = fit(tmp_path, epochs=3)
+    assert first.phase == "settled"
+    spy = LoaderSpy()
+    second, _ = fit(tmp_path, epochs=5, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy)
+    assert len(second.trials) == len(first.trials)  # zero tuning trials after resume
+    assert second.best_settings == first.best_settings
+    assert spy.workers == [first.best_settings["num_workers"]] * 2  # from the first resumed epoch on
+
+
+def test_resumed_mid_tuning_it_continues_where_it_was(tmp_path):
+    first, _ = fit(tmp_path, epochs=1)
+    assert first.phase == "tuning" and len(first.trials) == 1
+    planned = first._target.num_workers
+    assert planned > 0
+    spy = LoaderSpy()
+    second, _ = fit(tmp_path, epochs=3, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy)
+    assert spy.workers[0] == planned  # the config decided before the checkpoint is the next one measured
+    assert second.trials[0] == first.trials[0] and len(second.trials) >= 2
+
+
+def test_the_mixin_restores_settings_from_the_datamodule_state_alone():
+    dm = data()
+    dm.num_workers, dm.prefetch_factor, dm.persistent_workers = 6, 4, True
+    fresh = data()
+    fresh.load_state_dict(dm.state_dict())
+    assert fresh.loader_kwargs == {"num_workers": 6, "prefetch_factor": 4, "pin_memory": False,
+                                   "persistent_workers": True}
+
+
+@pytest.mark.parametrize("state", [{}, {"phase": "settled"}, {"version": 0, "trials": []}])
+def test_older_or_partial_checkpoints_load(state):
+    tuner = DataLoaderTuner()
+    tuner.load_state_dict(state)
+    assert tuner.trials == [] and tuner.phase in ("tuning", "settled")
+
+
+class Indices(pl.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.extend(int(i) for i in batch[2])
+
+
+def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
+    def run(path, tuner, **kwargs):
+        pl.seed_everything(11, workers=True)
+        seen = Indices()
+        dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
+        fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
+        return seen.seen
+
+    reference = run(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    head = run(tmp_path / "b", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
+               every_n_steps=25, max_steps=25)
+    ckpt = tmp_path / "b" / "ckpt" / "epoch=0-step=25.ckpt"
+    assert ckpt.exists() and len(head) == 25 * 8
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        tail = run(tmp_path / "c", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
+                   ckpt_path=ckpt)
+    assert head + tail == reference  # no sample lost or repeated across the restart
