@@ -100,6 +100,8 @@ class DataLoaderTuner(Callback):
         trials: the measured :class:`~lightning_dltune.decide.Trial` history.
         diagnosis: one sentence on what bounds training.
         settled_step: the global step at which tuning settled (``None`` until then).
+        budget: this process's own budget; ``agreed_budget`` the tightest over all nodes (distributed runs).
+        cache_hit: whether this run started from cached settings.
         report: the report written at the end of ``fit`` (a dict).
 
     Logged Metrics (every ``log_every_n_steps``, to every logger, on rank zero):
@@ -182,6 +184,7 @@ class DataLoaderTuner(Callback):
         self.cache = cache
         self.cache_hit = False
         self.stall_spread: float | None = None
+        self.agreed_budget: Budget | None = None
         self.report_path = report_path
         self.verbose = verbose
 
@@ -519,6 +522,8 @@ class DataLoaderTuner(Callback):
             left = trainer.num_training_batches - (batch_idx + 1)
             if not self._in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
                 predicted = trainer.num_training_batches * self.timer.peek_window().mean_wall_s
+                if trainer.world_size > 1:  # every rank must make the same choice
+                    predicted = float(trainer.strategy.reduce(torch.tensor(predicted), reduce_op="max"))
                 self._in_epoch = predicted >= _LONG_EPOCH_S
             if self._in_epoch and left > self.policy.min_steps:
                 self._close_trial(trainer, now=True)
@@ -529,6 +534,8 @@ class DataLoaderTuner(Callback):
         steps = self.timer.window_steps
         if steps >= self.window_steps:
             return True
+        if self._trainer is not None and self._trainer.world_size > 1:
+            return False  # a rank-local criterion would let ranks enter the decision's collectives apart
         return steps >= self.policy.min_steps and self.timer.peek_window().stall_frac >= _OBVIOUS_STALL
 
     @override
@@ -634,6 +641,7 @@ class DataLoaderTuner(Callback):
             max_prefetch=budget.max_prefetch,
             bound_by=budget.bound_by + " (tightest node)",
         )
+        self.agreed_budget = reduced
         return WindowStats(**values), reduced
 
     def _budget(self) -> Budget:
@@ -735,7 +743,14 @@ class DataLoaderTuner(Callback):
             phase=self.phase,
             diagnosis=self.diagnosis,
             budget=self.budget,
-            extra={"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "settled_step": self.settled_step},
+            extra={
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "settled_step": self.settled_step,
+                "cache_hit": self.cache_hit,
+                "world_size": trainer.world_size,
+                "agreed_budget": None if self.agreed_budget is None else dataclasses.asdict(self.agreed_budget),
+                "stall_frac_spread": self.stall_spread,
+            },
         )
         self._write_report(trainer)
 

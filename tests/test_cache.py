@@ -2,11 +2,12 @@ import json
 
 import pytest
 
-from helpers import make_trainer
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
 from lightning_dltune.cache import CACHE_FORMAT, TuningCache, cache_key, default_cache_path
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+from helpers import make_trainer
 
 FIELDS = {"cpus": 2.0, "dataset": "x.Y", "dataset_len": 10, "batch_size": 4, "version": "0.1.0"}
 

@@ -2,9 +2,10 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import make_trainer
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+from helpers import make_trainer
 
 
 class LoaderSpy(pl.Callback):
@@ -21,8 +22,7 @@ def data():
 
 def fit(tmp_path, epochs, ckpt_path=None, tuner=None, dm=None, spy=None, every_n_steps=None, **kwargs):
     tuner = tuner or DataLoaderTuner(cache=False)
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1,
-                           every_n_train_steps=every_n_steps)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1, every_n_train_steps=every_n_steps)
     callbacks = [tuner, ckpt] + ([spy] if spy else [])
     trainer = make_trainer(tmp_path, callbacks, max_epochs=epochs, logger=False, enable_checkpointing=True, **kwargs)
     trainer.fit(SimulatedModel(step_ms=20), datamodule=dm or data(), ckpt_path=ckpt_path)
@@ -55,8 +55,12 @@ def test_the_mixin_restores_settings_from_the_datamodule_state_alone():
     dm.num_workers, dm.prefetch_factor, dm.persistent_workers = 6, 4, True
     fresh = data()
     fresh.load_state_dict(dm.state_dict())
-    assert fresh.loader_kwargs == {"num_workers": 6, "prefetch_factor": 4, "pin_memory": False,
-                                   "persistent_workers": True}
+    assert fresh.loader_kwargs == {
+        "num_workers": 6,
+        "prefetch_factor": 4,
+        "pin_memory": False,
+        "persistent_workers": True,
+    }
 
 
 @pytest.mark.parametrize("state", [{}, {"phase": "settled"}, {"version": 0, "trials": []}])
@@ -83,11 +87,16 @@ def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
         return seen.seen
 
     reference = run(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
-    head = run(tmp_path / "b", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
-               every_n_steps=25, max_steps=25)
+    head = run(
+        tmp_path / "b",
+        DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
+        every_n_steps=25,
+        max_steps=25,
+    )
     ckpt = tmp_path / "b" / "ckpt" / "epoch=0-step=25.ckpt"
     assert ckpt.exists() and len(head) == 25 * 8
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
-        tail = run(tmp_path / "c", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
-                   ckpt_path=ckpt)
+        tail = run(
+            tmp_path / "c", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False), ckpt_path=ckpt
+        )
     assert head + tail == reference  # no sample lost or repeated across the restart

@@ -1,0 +1,78 @@
+"""Run by tests/test_ddp.py as its own process tree: Lightning's "ddp" launcher re-executes this script.
+
+python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
+NODE_RANK=i ... python tests/ddp_script.py OUT node   # one process per "node", launched by the test
+"""
+
+import faulthandler
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+from torch.utils.data import DistributedSampler
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+
+class Record(pl.Callback):
+    def __init__(self):
+        self.epochs = []
+        self.sampler_epochs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._start = len(pl_module.seen_indices)
+        sampler = trainer.train_dataloader.batch_sampler.sampler
+        self.sampler_epochs.append(sampler.epoch if isinstance(sampler, DistributedSampler) else None)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs.append(pl_module.seen_indices[self._start :])
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang shows its stacks instead of a silent timeout
+    out, kind = Path(sys.argv[1]), sys.argv[2]
+    warnings.filterwarnings("ignore")
+    if kind == "node" and os.environ.get("NODE_RANK") == "1" and len(os.sched_getaffinity(0)) > 1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this "node" has fewer CPUs
+    pl.seed_everything(5, workers=True)
+    mode = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    tuner = DataLoaderTuner(cache=False, verbose=False, report_path=False, mode=mode, window_steps=5, min_steps=4)
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2 if kind == "single" else 1,
+        num_nodes=1 if kind == "single" else 2,
+        max_epochs=3,
+        callbacks=[tuner, record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    dm = SyntheticDataModule(SyntheticDataset(length=384, latency_ms=5.0), batch_size=16, num_workers=0)
+    trainer.fit(SimulatedModel(step_ms=5), datamodule=dm)
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "best_settings": tuner.best_settings,
+        "trials": [t.settings.to_loader_kwargs() for t in tuner.trials],
+        "decisions": [t.decision for t in tuner.trials],
+        "own_cpus": len(os.sched_getaffinity(0)),
+        "agreed_cpus": tuner.agreed_budget.cpus,
+        "stall_spread": tuner.stall_spread,
+        "epochs": record.epochs,
+        "sampler_epochs": record.sampler_epochs,
+        "sampler": type(trainer.train_dataloader.batch_sampler.sampler).__name__,
+        "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        "steps_per_trial": [t.stats.steps for t in tuner.trials],
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

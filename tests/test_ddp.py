@@ -1,0 +1,81 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+N, BATCH = 384, 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1", **extra)
+    return e
+
+
+def read(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def expected_order(rank: int, epoch: int, seed: int) -> list[int]:
+    sampler = DistributedSampler(range(N), num_replicas=2, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def check_agreement_and_shards(results: list[dict]) -> None:
+    a, b = results
+    assert a["world_size"] == b["world_size"] == 2
+    assert a["best_settings"] == b["best_settings"] and a["best_settings"]["num_workers"] > 0
+    assert a["trials"] == b["trials"] and a["decisions"] == b["decisions"]
+    assert len(a["trials"]) >= 2  # the loader was rebuilt at least once
+    assert a["stall_spread"] is not None
+    for r in results:
+        assert r["sampler"] == "DistributedSampler"
+        assert r["sampler_epochs"] == list(range(len(r["epochs"])))  # epoch-seeded after every rebuild
+        for epoch, seen in enumerate(r["epochs"]):
+            assert seen == expected_order(r["rank"], epoch, r["seed"]), f"rank {r['rank']} epoch {epoch}"
+    for epoch in range(len(a["epochs"])):
+        assert sorted(a["epochs"][epoch] + b["epochs"][epoch]) == list(range(N))  # shards exact and disjoint
+
+
+def run_logged(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
+    """Output to a file, not a pipe: an undrained pipe blocks a chatty rank while the others wait for it."""
+    with log.open("w") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["epoch", "in_epoch"])
+def test_two_processes_agree_without_hanging(tmp_path, mode):
+    log = tmp_path / "ddp.log"
+    proc = run_logged([sys.executable, str(SCRIPT), str(tmp_path), "single", mode], log, env=env())
+    assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
+    results = read(tmp_path)
+    check_agreement_and_shards(results)
+    if mode == "in_epoch":  # windows of 5 steps in 12-step epochs: the loader changed inside an epoch
+        assert min(results[0]["steps_per_trial"]) < 12
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give the nodes different budgets")
+def test_two_nodes_on_loopback_each_compute_a_budget_and_agree(tmp_path):
+    common = env(WORLD_SIZE="2", LOCAL_RANK="0")
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "node"]
+    procs = [run_logged(cmd, log, env={**common, "NODE_RANK": str(i)}) for i, log in enumerate(logs)]
+    codes = [p.wait(timeout=150) for p in procs]
+    assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
+    results = read(tmp_path)
+    assert [r["own_cpus"] for r in results] == [len(os.sched_getaffinity(0)), 1]  # each node's own budget
+    check_agreement_and_shards(results)
+    assert results[0]["agreed_cpus"] == results[1]["agreed_cpus"] == 1.0  # the tightest node governs
