@@ -226,3 +226,13 @@ def worker_died(iterator: Iterator[Any], wait_s: float = 2.0) -> bool:
             return False
         time.sleep(0.01)
     return False
+
+
+def train_worker_pids(trainer: "pl.Trainer") -> list[int]:
+    """PIDs of the worker processes of the running train loader iterator (empty without workers)."""
+    mode_iter = train_mode_iterator(trainer)
+    if mode_iter is None or not mode_iter.iterators:
+        return []
+    it = mode_iter.iterators[0]
+    it = getattr(it, "inner", it)  # unwrap lightning_dltune's GuardedIterator
+    return [w.pid for w in getattr(it, "_workers", None) or [] if w.pid is not None]

@@ -136,3 +136,82 @@ def make_budget(cpu: CpuBudget, max_workers: int | None, max_prefetch: int) -> B
     cap = default_max_workers(cpu.cpus) if max_workers is None else max_workers
     bound_by = cpu.bound_by if max_workers is None else f"{cpu.bound_by}; max_workers={max_workers}"
     return Budget(cpus=cpu.cpus, max_workers=cap, max_prefetch=max_prefetch, bound_by=bound_by)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes the loader may add (workers' own memory and pinned buffers), and which limit set it."""
+
+    bytes: float
+    bound_by: str
+    available: float
+    cgroup_limit: float | None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read(path)
+    if text is None or text in ("", "max"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def read_mem_available(root: str | os.PathLike[str] = "/") -> float:
+    """``MemAvailable`` from ``/proc/meminfo``, in bytes."""
+    for line in (_read(Path(root) / "proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def read_cgroup_memory_headroom(root: str | os.PathLike[str] = "/") -> tuple[float | None, float | None]:
+    """(limit, limit - current usage) of the tightest cgroup memory limit over this process's cgroups."""
+    root = Path(root)
+    cg = root / "sys/fs/cgroup"
+    paths = _cgroup_paths(root)
+    best: tuple[float | None, float | None] = (None, None)
+    if "" in paths and (cg / "cgroup.controllers").exists():
+        dirs, limit_file, usage_file = _ancestors(cg, paths[""]), "memory.max", "memory.current"
+    else:
+        base = cg / "memory"
+        dirs = _ancestors(base, paths.get("memory", "/")) if base.is_dir() else []
+        limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+    for d in dirs:
+        limit = _read_int(d / limit_file)
+        if limit is None or limit >= 2**60:  # v1 spells "no limit" as a huge number
+            continue
+        headroom = float(limit - (_read_int(d / usage_file) or 0))
+        if best[1] is None or headroom < best[1]:
+            best = (float(limit), headroom)
+    return best
+
+
+def memory_budget(root: str | os.PathLike[str] = "/", fraction: float = 0.5, local_world_size: int = 1) -> MemoryBudget:
+    """``fraction`` of the memory this process could still take (free memory, or the cgroup's headroom when
+    tighter), shared among the local training processes."""
+    available = read_mem_available(root)
+    limit, headroom = read_cgroup_memory_headroom(root)
+    if headroom is not None and headroom < available:
+        total, bound_by = headroom, "cgroup memory limit"
+    else:
+        total, bound_by = available, "available memory"
+    return MemoryBudget(
+        bytes=max(0.0, total) * fraction / max(1, local_world_size),
+        bound_by=f"{fraction:.0%} of {bound_by}",
+        available=available,
+        cgroup_limit=limit,
+    )
+
+
+def shm_free_bytes(root: str | os.PathLike[str] = "/") -> float | None:
+    """Free bytes of ``/dev/shm`` (where worker processes hand batches over), ``None`` when there is none."""
+    path = Path(root) / "dev/shm"
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return float(st.f_bavail * st.f_frsize)

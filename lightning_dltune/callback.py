@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_dltune import _lightning
 from lightning_dltune._warn import warn_once
-from lightning_dltune.budget import cpu_budget, make_budget
+from lightning_dltune.budget import cpu_budget, make_budget, memory_budget, shm_free_bytes
 from lightning_dltune.cache import TuningCache, default_cache_path
 from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best
 from lightning_dltune.measure import StepTimer, WindowStats, process_cpu_seconds
@@ -74,6 +74,9 @@ class DataLoaderTuner(Callback):
         max_workers: ceiling on ``num_workers``; ``None`` allows 8 per usable CPU (4 to 64), since a loader
             waiting on storage wants more workers than cores.
         max_prefetch: ceiling on ``prefetch_factor``.
+        max_memory: memory the loader's workers (and pinned buffers) may add: a fraction of what this process
+            could still take (``0.5`` by default, honouring a cgroup ``memory.max``), or bytes when > 1. Each
+            worker's unique memory (USS) is measured, and a config predicted to exceed this is never tried.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
         mode: when to switch configs. ``"epoch"``: at epoch boundaries. ``"in_epoch"``: every
@@ -139,6 +142,7 @@ class DataLoaderTuner(Callback):
         max_trials: int = 6,
         max_workers: int | None = None,
         max_prefetch: int = 8,
+        max_memory: float | None = None,
         min_steps: int = 8,
         observe_only: bool = False,
         mode: str = "auto",
@@ -162,6 +166,13 @@ class DataLoaderTuner(Callback):
             check_num_workers(max_workers, "max_workers")
         if isinstance(max_prefetch, bool) or not isinstance(max_prefetch, int) or max_prefetch < 1:
             raise ValueError(f"`max_prefetch` must be an int >= 1, got {max_prefetch!r}. PyTorch's default is 2.")
+        if max_memory is not None and (
+            isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or max_memory <= 0
+        ):
+            raise ValueError(
+                f"`max_memory` must be a fraction in (0, 1] or a number of bytes > 1, got {max_memory!r}. "
+                "Use 0.5 for half of the available memory."
+            )
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
             raise ValueError(f"`min_steps` must be an int >= 1, got {min_steps!r}.")
         if mode not in MODES:
@@ -175,6 +186,7 @@ class DataLoaderTuner(Callback):
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers = max_workers
         self.max_prefetch = max_prefetch
+        self.max_memory = max_memory
         self.observe_only = observe_only
         self.mode = mode
         self.window_steps = max(window_steps, min_steps + 1)
@@ -214,6 +226,7 @@ class DataLoaderTuner(Callback):
         self._restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self._cache_fields: dict[str, Any] | None = None
         self._cached_entry: dict[str, Any] | None = None
+        self._batch_bytes: float | None = None
 
     @property
     def state_key(self) -> str:
@@ -228,9 +241,7 @@ class DataLoaderTuner(Callback):
             return
         self._trainer = trainer
         self.timer = StepTimer()
-        self.budget = make_budget(
-            cpu_budget(local_world_size=max(1, int(trainer.num_devices))), self.max_workers, self.max_prefetch
-        )
+        self.budget = self._make_budget(max(1, int(trainer.num_devices)))
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.timer.fetch_ended),
@@ -511,6 +522,8 @@ class DataLoaderTuner(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.timer.step_ended(_batch_size(batch))
+        if self._batch_bytes is None and self.phase != SETTLED:
+            self._batch_bytes = float(_tensor_bytes(batch))
         if self._window_cpu0 is None and self.phase != SETTLED:
             # CPU is counted from the end of a window's first step: worker start-up is not steady state
             self._window_cpu0 = process_cpu_seconds()
@@ -582,7 +595,40 @@ class DataLoaderTuner(Callback):
             main1, kids1 = process_cpu_seconds()
             stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
         self._window_cpu0 = None
+        stats = stats.with_memory(self._worker_mem_bytes(), self._batch_bytes or 0.0)
+        self._batch_bytes = None
+        self._check_shm(stats)
         return stats
+
+    def _worker_mem_bytes(self) -> float:
+        """Largest unique memory (USS) of one worker of the running loader, 0 without workers."""
+        import psutil
+
+        if self._trainer is None:
+            return 0.0
+        sizes = []
+        for pid in _lightning.train_worker_pids(self._trainer):
+            try:
+                sizes.append(psutil.Process(pid).memory_full_info().uss)
+            except psutil.Error:
+                continue
+        return float(max(sizes, default=0))
+
+    def _check_shm(self, stats: WindowStats) -> None:
+        """Say so, with the fix, when the running config's batches in flight may not fit /dev/shm."""
+        shm = self.budget.shm_bytes if self.budget is not None else None
+        current = self._current
+        if shm is None or current is None or current.num_workers == 0 or stats.batch_bytes <= 0:
+            return
+        in_flight = stats.batch_bytes * current.num_workers * (current.prefetch_factor or 2)
+        if in_flight > 0.8 * shm:
+            warn_once(
+                "shm-risk",
+                f"DataLoaderTuner: {current.describe()} keeps about {in_flight / 2**20:.0f} MiB of batches in "
+                f"flight but /dev/shm has {shm / 2**20:.0f} MiB free: workers may die with a bus error. Give the "
+                "container more shared memory (docker run --shm-size=8g, or --ipc=host), or call "
+                "torch.multiprocessing.set_sharing_strategy('file_system').",
+            )
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -627,7 +673,9 @@ class DataLoaderTuner(Callback):
 
     def _reduce(self, trainer: "pl.Trainer", stats: WindowStats, budget: Budget) -> tuple[WindowStats, Budget]:
         """The slowest rank's statistics and the tightest node budget, the same on every rank."""
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + [budget.cpus, float(budget.max_workers)]
+        inf = float("inf")
+        limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits
         table = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64)).reshape(-1, len(row))
         per_sample = table[:, _STATS_FIELDS.index("wall_s")] / table[:, _STATS_FIELDS.index("samples")].clamp(min=1)
         slowest = table[int(per_sample.argmax())].tolist()
@@ -635,19 +683,36 @@ class DataLoaderTuner(Callback):
         values["steps"], values["samples"] = int(values["steps"]), int(values["samples"])
         stall = table[:, _STATS_FIELDS.index("wait_s")] / table[:, _STATS_FIELDS.index("wall_s")].clamp(min=1e-9)
         self.stall_spread = float(stall.max() - stall.min())
+        tightest = table[:, len(_STATS_FIELDS) :].min(dim=0).values.tolist()
         reduced = Budget(
-            cpus=float(table[:, -2].min()),
-            max_workers=int(table[:, -1].min()),
+            cpus=tightest[0],
+            max_workers=int(tightest[1]),
             max_prefetch=budget.max_prefetch,
             bound_by=budget.bound_by + " (tightest node)",
+            memory_bytes=None if tightest[2] == inf else tightest[2],
+            shm_bytes=None if tightest[3] == inf else tightest[3],
         )
         self.agreed_budget = reduced
         return WindowStats(**values), reduced
 
     def _budget(self) -> Budget:
         if self.budget is None:
-            self.budget = make_budget(cpu_budget(), self.max_workers, self.max_prefetch)
+            self.budget = self._make_budget(1)
         return self.budget
+
+    def _make_budget(self, local_world_size: int) -> Budget:
+        budget = make_budget(cpu_budget(local_world_size=local_world_size), self.max_workers, self.max_prefetch)
+        if self.max_memory is not None and self.max_memory > 1:
+            memory, mem_bound = float(self.max_memory) / local_world_size, f"max_memory={self.max_memory:.0f} bytes"
+        else:
+            mem = memory_budget(fraction=float(self.max_memory or 0.5), local_world_size=local_world_size)
+            memory, mem_bound = mem.bytes, mem.bound_by
+        return dataclasses.replace(
+            budget,
+            memory_bytes=memory,
+            shm_bytes=shm_free_bytes(),
+            bound_by=f"{budget.bound_by}; memory: {mem_bound}",
+        )
 
     def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False, apply: bool = True) -> None:
         self.phase = SETTLED
@@ -777,6 +842,17 @@ def _decision_text(decision: Decision) -> str:
 def _is_last_epoch(trainer: "pl.Trainer") -> bool:
     max_epochs = trainer.max_epochs
     return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+
+
+def _tensor_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, dict):
+        return sum(_tensor_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in batch)
+    return 0
 
 
 def _batch_size(batch: Any) -> int:

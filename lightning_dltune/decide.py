@@ -38,6 +38,8 @@ class Budget:
     max_workers: int
     max_prefetch: int = 8
     bound_by: str = "affinity"
+    memory_bytes: float | None = None  # what workers and pinned buffers may add
+    shm_bytes: float | None = None  # free /dev/shm, where batches cross from workers to the trainer
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class Policy:
     min_gain: float = 0.05
     noise_floor: float = 0.03
     burst_ratio: float = 4.0
+    worker_mem_prior: float = 64 * 2**20  # bytes per worker assumed before one was measured
+    shm_fraction: float = 0.5  # share of free /dev/shm that batches in flight may take
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class Estimate:
     worker_cpus: float
     needed_workers: int
     cpu_cap_workers: int  # the most workers the CPUs can keep busy (may exceed ``Budget.max_workers``)
+    mem_cap_workers: int | None = None  # the most workers the memory budget holds (None: unbounded)
+    shm_cap_slots: int | None = None  # the most batches in flight /dev/shm holds (workers x prefetch)
+    worker_mem_bytes: float = 0.0
+    batch_bytes: float = 0.0
 
     @property
     def cpu_bound(self) -> bool:
@@ -126,6 +134,17 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         cpu_cap = max(1, math.floor(worker_cpus * batch / cpu_per_batch + 1e-9))
     else:  # waiting on I/O: the CPUs do not limit the worker count
         cpu_cap = max(budget.max_workers, needed)
+    measured_mem = [t.stats.worker_mem_bytes for t in usable if t.stats.worker_mem_bytes > 0]
+    worker_mem = max(measured_mem) if measured_mem else policy.worker_mem_prior
+    batch_bytes = max((t.stats.batch_bytes for t in usable), default=0.0)
+    pf = last.settings.prefetch_factor or 2
+    mem_cap = None
+    if budget.memory_bytes is not None:
+        pinned = batch_bytes * pf if last.settings.pin_memory else 0.0
+        mem_cap = int(budget.memory_bytes // (worker_mem + pinned)) if worker_mem + pinned > 0 else None
+    shm_cap = None
+    if budget.shm_bytes is not None and batch_bytes > 0:
+        shm_cap = int(budget.shm_bytes * policy.shm_fraction // batch_bytes)
     return Estimate(
         batch_s=batch,
         busy_s=busy,
@@ -133,7 +152,21 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         worker_cpus=worker_cpus,
         needed_workers=max(1, needed),
         cpu_cap_workers=cpu_cap,
+        mem_cap_workers=mem_cap,
+        shm_cap_slots=shm_cap,
+        worker_mem_bytes=worker_mem,
+        batch_bytes=batch_bytes,
     )
+
+
+def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
+    """The most workers every budget allows at ``prefetch``, and the budget that binds."""
+    caps = [(budget.max_workers, f"max_workers={budget.max_workers}"), (est.cpu_cap_workers, "the CPU budget")]
+    if est.mem_cap_workers is not None:
+        caps.append((est.mem_cap_workers, f"the memory budget ({est.worker_mem_bytes / 2**20:.0f} MiB per worker)"))
+    if est.shm_cap_slots is not None:
+        caps.append((est.shm_cap_slots // max(1, prefetch), "the shared memory (/dev/shm) budget"))
+    return min(caps, key=lambda c: c[0])
 
 
 def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
@@ -197,11 +230,12 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
     tried = {t.settings for t in trials}
     w = cur.num_workers
     enough_on_average = w > 0 and est.batch_s / w <= est.busy_s
-    cap = min(est.cpu_cap_workers, budget.max_workers)
+    cap, binding = worker_cap(est, budget, cur.prefetch_factor or 2)
     can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
     if can_prefetch and (enough_on_average or w >= cap) and _bursty(last.stats, est.busy_s, policy):
         cand = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
-        if cand not in tried:
+        fits_shm = est.shm_cap_slots is None or w * (cand.prefetch_factor or 0) <= est.shm_cap_slots
+        if cand not in tried and fits_shm:
             return Decision(
                 "try",
                 cand,
@@ -211,18 +245,14 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
             )
     target = min(est.needed_workers, cap)
     if target <= w:
-        why = "the CPU budget" if est.cpu_bound else f"max_workers={budget.max_workers}"
+        why = binding
         if est.needed_workers <= w:
             why = "the model (the wait is not from too few workers)"
         return Decision("settle", best.settings, f"no more workers to add within {why}", est)
     cand = cur.with_workers(target)
     if cand in tried:
         return Decision("settle", best.settings, f"{cand.describe()} was already measured", est)
-    limit = ""
-    if est.cpu_bound:
-        limit = f" (capped at {target} by the CPU budget)"
-    elif est.needed_workers > budget.max_workers:
-        limit = f" (capped at {target} by max_workers)"
+    limit = f" (capped at {target} by {binding})" if target < est.needed_workers else ""
     return Decision(
         "try",
         cand,
@@ -259,6 +289,14 @@ def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, p
             f"(stall {fs.stall_frac:.1%}, {speedup:.1f}x the throughput)."
         )
     est = estimate(usable, budget, policy)
+    cap, binding = worker_cap(est, budget, settled.prefetch_factor or 2)
+    if binding.startswith(("the memory", "the shared")) and cap <= settled.num_workers < est.needed_workers:
+        return (
+            f"input-bound and held back by {binding}: still {fs.stall_frac:.0%} of the time waiting for data "
+            f"with {settled.describe()}, the model wants {est.needed_workers} workers. Free memory, make the "
+            "dataset lighter per worker (lazy loading, numpy arrays instead of Python objects), or raise "
+            "`max_memory` / the shared memory size (--shm-size, --ipc=host)."
+        )
     if est.cpu_bound:
         return (
             f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "

@@ -45,6 +45,8 @@ class WindowStats:
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
     startup_s: float = 0.0
+    worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker at the window's end
+    batch_bytes: float = 0.0  # tensor bytes of one batch
 
     @property
     def stall_frac(self) -> float:
@@ -73,6 +75,9 @@ class WindowStats:
 
     def with_cpu(self, worker_cpu_s: float, main_cpu_s: float) -> WindowStats:
         return _replace(self, worker_cpu_s=worker_cpu_s, main_cpu_s=main_cpu_s)
+
+    def with_memory(self, worker_mem_bytes: float, batch_bytes: float) -> WindowStats:
+        return _replace(self, worker_mem_bytes=worker_mem_bytes, batch_bytes=batch_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = asdict(self)
