@@ -79,6 +79,9 @@ class DataLoaderTuner(Callback):
             worker's unique memory (USS) is measured, and a config predicted to exceed this is never tried.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
+        tune_iterable: also retune an ``IterableDataset``'s loader (at epoch boundaries). Only for datasets
+            that shard themselves with ``torch.utils.data.get_worker_info()``: otherwise every worker yields
+            the whole dataset and more workers repeat samples. Off by default: such loaders are measured only.
         mode: when to switch configs. ``"epoch"``: at epoch boundaries. ``"in_epoch"``: every
             ``window_steps`` steps, inside the epoch, continuing from exactly the batch the loop reached.
             ``"auto"``: in-epoch for long epochs (at least ``8 * window_steps`` batches, or a first window
@@ -145,6 +148,7 @@ class DataLoaderTuner(Callback):
         max_memory: float | None = None,
         min_steps: int = 8,
         observe_only: bool = False,
+        tune_iterable: bool = False,
         mode: str = "auto",
         window_steps: int = 20,
         log_gpu: bool = True,
@@ -188,6 +192,7 @@ class DataLoaderTuner(Callback):
         self.max_prefetch = max_prefetch
         self.max_memory = max_memory
         self.observe_only = observe_only
+        self.tune_iterable = tune_iterable
         self.mode = mode
         self.window_steps = max(window_steps, min_steps + 1)
         self.log_gpu = log_gpu
@@ -227,6 +232,7 @@ class DataLoaderTuner(Callback):
         self._cache_fields: dict[str, Any] | None = None
         self._cached_entry: dict[str, Any] | None = None
         self._batch_bytes: float | None = None
+        self._fresh_loader = False  # the running loader has not delivered a batch yet
 
     @property
     def state_key(self) -> str:
@@ -284,11 +290,12 @@ class DataLoaderTuner(Callback):
         if self._start is None:
             self._start = current
             self._lookup_cache(loader)
-        if isinstance(loader.dataset, IterableDataset) and self.phase == TUNING:
+        if isinstance(loader.dataset, IterableDataset) and self.phase == TUNING and not self.tune_iterable:
             self._disable(
                 "iterable",
                 "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
-                "shards itself with `get_worker_info()`, so the tuner only measures it",
+                "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
+                "with `DataLoaderTuner(tune_iterable=True)`",
             )
         gen = loader.generator
         self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
@@ -305,6 +312,7 @@ class DataLoaderTuner(Callback):
             except _lightning.NotRebuildableError as ex:
                 self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
         self._resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
+        self._fresh_loader = True
         if self._resumable and self._restored_epoch is not None:
             self._resume_epoch(loader.batch_sampler)
         self._current = current
@@ -432,6 +440,7 @@ class DataLoaderTuner(Callback):
             self._recover,
             _lightning.detach_from_sigchld,
             _lightning.worker_died,
+            self._startup_failed,
         )
 
     def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
@@ -448,17 +457,40 @@ class DataLoaderTuner(Callback):
         _lightning.shutdown_workers(loader)
         _lightning.replace_train_loader(self._trainer, new)
         self._current = settings
+        self._fresh_loader = True
         return new
+
+    def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
+        """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
+        workers that cannot start): record it as failed and go back to the last good config. Errors of the
+        user's own config, or after a config has delivered batches, are the user's and propagate."""
+        current, start = self._current, self._start
+        if not self._fresh_loader or current is None or start is None or current == start:
+            return None
+        if current.num_workers == start.num_workers and current.persistent_workers == start.persistent_workers:
+            return None  # the workers are set up as the user had them: not something the tuner caused
+        return self._fall_back(loader, position, "workers failed to start", error)
 
     def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
         """A worker died: record the config as failed, fall back, and continue the epoch at ``position``."""
+        return self._fall_back(loader, position, "worker died", error)
+
+    def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        why = f"{kind}: {lines[-1] if lines else type(error).__name__}"  # a worker's traceback ends in its error
         if self._recoveries >= _MAX_RECOVERIES or self._current is None or self._trainer is None:
             return None
         self._recoveries += 1
         failed = self._current
-        self.trials.append(Trial(failed, self._close_window(), failed=f"worker died: {error}"))
-        usable = [t for t in self.trials if t.usable and t.settings != failed]
-        fallback = pick_best(usable, self.policy).settings if usable else failed.with_workers(failed.num_workers // 2)
+        self.trials.append(Trial(failed, self._close_window(), failed=why))
+        never = {t.settings for t in self.trials if t.failed}
+        usable = [t for t in self.trials if t.usable and t.settings not in never]
+        if usable:
+            fallback = pick_best(usable, self.policy).settings
+        elif self._start is not None and self._start not in never:
+            fallback = self._start
+        else:
+            fallback = failed.with_workers(failed.num_workers // 2)
         if self.phase == TUNING:
             self._settle(self._trainer, fallback, apply=False)
         self._target = fallback
@@ -466,8 +498,9 @@ class DataLoaderTuner(Callback):
         if isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = fallback
         warn_once(
-            f"worker-death-{self._recoveries}",
-            f"DataLoaderTuner: a DataLoader worker died ({error}). Rebuilt the train loader with "
+            f"fallback-{self._recoveries}",
+            f"DataLoaderTuner: {'a DataLoader worker died' if kind == 'worker died' else kind} "
+            f"({why.split(': ', 1)[-1]}). Rebuilt the train loader with "
             f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self._trainer.current_epoch} "
             f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
         )
@@ -522,6 +555,7 @@ class DataLoaderTuner(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.timer.step_ended(_batch_size(batch))
+        self._fresh_loader = False
         if self._batch_bytes is None and self.phase != SETTLED:
             self._batch_bytes = float(_tensor_bytes(batch))
         if self._window_cpu0 is None and self.phase != SETTLED:
@@ -794,7 +828,7 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.phase in (TUNING, OBSERVING, DISABLED) and self.trials:
+        if self.phase in (TUNING, OBSERVING, DISABLED) and any(t.usable for t in self.trials):
             best = pick_best(self.trials, self.policy).settings
             if self.phase != TUNING or self.best_settings is None:
                 self.best_settings = best.to_loader_kwargs()

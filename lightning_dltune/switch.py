@@ -87,6 +87,7 @@ class GuardedIterator(Iterator[Any]):
             ``None`` re-raises the error.
         prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
         worker_dead: whether one of an inner iterator's worker processes has died.
+        on_error: ``on_error(error, loader, position) -> new_loader | None`` for any other error of a fetch.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class GuardedIterator(Iterator[Any]):
         on_death: Callable[[BaseException, Any, int], Any],
         prepare: Callable[[Iterator[Any]], None],
         worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False,
+        on_error: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -105,6 +107,7 @@ class GuardedIterator(Iterator[Any]):
         self._on_death = on_death
         self._prepare = prepare
         self._worker_dead = worker_dead
+        self._on_error = on_error
         prepare(inner)
 
     def __next__(self) -> Any:
@@ -116,10 +119,11 @@ class GuardedIterator(Iterator[Any]):
                 batch = next(self.inner)
             except StopIteration:
                 raise
-            except (RuntimeError, ConnectionError, EOFError) as ex:
-                if not is_worker_death(ex, self._worker_dead(self.inner)):
-                    raise
-                new = self._on_death(ex, self.loader, self.position)
+            except Exception as ex:
+                if is_worker_death(ex, self._worker_dead(self.inner)):
+                    new = self._on_death(ex, self.loader, self.position)
+                else:
+                    new = self._on_error(ex, self.loader, self.position)
                 if new is None:
                     raise
                 self._switch(new)

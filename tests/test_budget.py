@@ -76,3 +76,53 @@ def test_default_worker_ceiling_exceeds_the_cores_for_io(cpus, expected):
 def test_user_cap_is_named_in_the_budget(v2_tree):
     b = make_budget(cpu_budget(v2_tree), max_workers=6, max_prefetch=4)
     assert (b.max_workers, b.max_prefetch) == (6, 4) and "max_workers=6" in b.bound_by
+
+
+def test_memory_budget_from_meminfo(tmp_path):
+    from lightning_dltune.budget import memory_budget
+
+    write(tmp_path, "proc/meminfo", "MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    b = memory_budget(tmp_path, fraction=0.5)
+    assert b.available == 8000000 * 1024 and b.bytes == 4000000 * 1024 and b.cgroup_limit is None
+    assert memory_budget(tmp_path, fraction=0.5, local_world_size=2).bytes == 2000000 * 1024
+
+
+def test_cgroup_v2_memory_max_bounds_when_tighter(v2_tree):
+    from lightning_dltune.budget import memory_budget
+
+    write(v2_tree, "proc/meminfo", "MemAvailable:   64000000 kB\n")
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/memory.max", "max\n")
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/memory.max", str(4 * 2**30) + "\n")
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/memory.current", str(3 * 2**30) + "\n")
+    b = memory_budget(v2_tree, fraction=1.0)
+    assert b.bytes == 2**30 and b.cgroup_limit == 4 * 2**30 and "cgroup memory limit" in b.bound_by
+
+
+def test_cgroup_v1_memory_limit(tmp_path):
+    from lightning_dltune.budget import memory_budget
+
+    write(tmp_path, "proc/self/cgroup", "5:memory:/docker/abc\n")
+    write(tmp_path, "proc/meminfo", "MemAvailable:   64000000 kB\n")
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", str(2 * 2**30))
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", str(2**30))
+    write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096))  # "no limit"
+    assert memory_budget(tmp_path, fraction=1.0).bytes == 2**30
+
+
+def test_shm_size_under_a_root(tmp_path):
+    from lightning_dltune.budget import shm_free_bytes
+
+    assert shm_free_bytes(tmp_path) is None  # no /dev/shm there
+    (tmp_path / "dev" / "shm").mkdir(parents=True)
+    assert shm_free_bytes(tmp_path) > 0
+
+
+def test_real_machine_memory_and_shm():
+    import psutil
+
+    from lightning_dltune.budget import memory_budget, shm_free_bytes
+
+    b = memory_budget()
+    assert 0 < b.bytes <= psutil.virtual_memory().total
+    shm = shm_free_bytes()
+    assert shm is None or shm > 0

@@ -157,3 +157,52 @@ def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
 )
 def test_diagnosis(trials, settled, prefix):
     assert diagnose(trials, settled, BUDGET).startswith(prefix)
+
+
+def with_mem(t, worker_mib, batch_mib=0.0):
+    from dataclasses import replace
+
+    return replace(t, stats=t.stats.with_memory(worker_mib * 2**20, batch_mib * 2**20))
+
+
+@pytest.mark.parametrize(
+    ("trials", "budget", "action", "expected", "why"),
+    [
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1)],
+            Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20),
+            "try",
+            cfg(3),
+            "memory budget",
+            id="unmeasured workers: the 64 MiB prior caps the first jump",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(3, 45, 10), 40)],
+            Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20),
+            "try",
+            cfg(5),
+            "memory budget (40 MiB per worker)",
+            id="measured worker memory sets the cap",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(5, 20, 10), 40)],
+            Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20),
+            "settle",
+            cfg(5),
+            "memory budget",
+            id="at the memory cap: settle",
+        ),
+        pytest.param(
+            [with_mem(trial(0, 160, 10, fetch_cpu_ms=1), 0, 16)],
+            Budget(cpus=2, max_workers=64, shm_bytes=128 * 2**20),
+            "try",
+            cfg(2),
+            "shared memory",
+            id="batches in flight must fit half of /dev/shm",
+        ),
+    ],
+)
+def test_memory_and_shm_caps(trials, budget, action, expected, why):
+    decision = decide(trials, budget, Policy())
+    assert (decision.action, decision.settings) == (action, expected), decision.reason
+    assert why in decision.reason

@@ -1,0 +1,264 @@
+import threading
+
+import lightning.pytorch as pl
+import psutil
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, get_worker_info
+
+from lightning_dltune import DataLoaderTuner, DLTuneWarning, _lightning
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+from helpers import make_trainer
+
+# ---------------------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+class HungryDataset(SyntheticDataset):
+    """Holds a large list of Python objects; each item touches a stride of it, so every worker touches
+    nearly every page each epoch and reference counting turns the copy-on-write pages into each worker's
+    own memory (about 40 MiB each)."""
+
+    def __init__(self):
+        super().__init__(length=240, latency_ms=10.0)
+        self.blob = [float(i) for i in range(1_000_000)]
+
+    def __getitem__(self, index):
+        touched = self.blob[index % 97 :: 97]  # INCREFs ~10k objects spread over all pages
+        del touched
+        return super().__getitem__(index)
+
+
+def tune_hungry(tmp_path, max_memory):
+    dm = SyntheticDataModule(HungryDataset(), batch_size=16, num_workers=0)
+    tuner = DataLoaderTuner(max_memory=max_memory, cache=False, max_trials=6)
+    make_trainer(tmp_path, [tuner], max_epochs=5, logger=False).fit(SimulatedModel(step_ms=10), datamodule=dm)
+    return tuner
+
+
+def test_a_tight_memory_budget_stops_the_tuner_below_what_would_exceed_it(tmp_path):
+    budget = 150 * 2**20
+    tight = tune_hungry(tmp_path / "tight", budget)
+    measured = max(t.stats.worker_mem_bytes for t in tight.trials)
+    assert measured > 25 * 2**20  # the workers really hold their own copy
+    workers = max(t.settings.num_workers for t in tight.trials)
+    assert workers >= 1 and workers * measured <= budget, [(t.settings, t.stats.worker_mem_bytes) for t in tight.trials]
+    loose = tune_hungry(tmp_path / "loose", None)
+    assert loose.best_settings["num_workers"] > workers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs that fail, loaders that must not be changed blindly
+# ---------------------------------------------------------------------------------------------------------
+
+
+def failing_init(worker_id):
+    raise ValueError("cannot open the database in a worker")
+
+
+class Indices(pl.Callback):
+    def __init__(self):
+        self.epochs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.epochs[-1].extend(int(i) for i in batch[2])
+
+
+def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_path):
+    # In-epoch switching: at an epoch-boundary reload Lightning calls iter() twice, and with persistent
+    # workers PyTorch's second reset discards the workers' init errors (they then run uninitialized).
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            ds = SyntheticDataset(320, latency_ms=8.0)
+            return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
+
+    tuner = DataLoaderTuner(cache=False, mode="in_epoch", window_steps=8, min_steps=6)
+    seen = Indices()
+    failed_to_start = r"workers failed to start \(ValueError: cannot open the database in a worker\)"
+    with pytest.warns(DLTuneWarning, match=failed_to_start):
+        make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False).fit(M(step_ms=2))
+    failed = [t for t in tuner.trials if t.failed]
+    assert failed and failed[0].settings.num_workers > 0 and "cannot open the database" in failed[0].failed
+    assert tuner.best_settings["num_workers"] == 0
+    assert len(seen.epochs) == 3 and all(sorted(e) == list(range(320)) for e in seen.epochs)
+
+
+class Sharded(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        wid, n = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(wid, 96, n):
+            yield torch.full((8,), float(i)), torch.tensor(i % 4), i
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_iterable_datasets_are_retuned_only_on_request(tmp_path, opt_in):
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(Sharded(), batch_size=8)
+
+    tuner, seen = DataLoaderTuner(tune_iterable=opt_in, min_steps=4, cache=False), Indices()
+    trainer = make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False)
+    if opt_in:
+        trainer.fit(M(step_ms=1, features=8))
+    else:
+        with pytest.warns(DLTuneWarning, match=r"tune_iterable=True"):
+            trainer.fit(M(step_ms=1, features=8))
+        assert {t.settings.num_workers for t in tuner.trials} == {0}
+    assert all(sorted(e) == list(range(96)) for e in seen.epochs)  # a sharding dataset never repeats
+
+
+def collate_with_flag(batch):
+    x, y, i = torch.utils.data.default_collate(batch)
+    return x, y, i, torch.ones(1)
+
+
+def noop_init(worker_id):
+    torch.manual_seed(torch.initial_seed() % 2**31)
+
+
+class TaggedLoader(DataLoader):
+    def __init__(self, dataset, tag, **kwargs):
+        self.tag = tag
+        super().__init__(dataset, **kwargs)
+
+
+class EveryOther(BatchSampler):
+    """A custom batch sampler (not the plain one): the tuner keeps it and switches at epoch boundaries."""
+
+
+def test_custom_loader_parts_survive_every_rebuild(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    ds = SyntheticDataset(192, latency_ms=8.0)
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return TaggedLoader(
+                ds,
+                "mine",
+                batch_sampler=EveryOther(RandomSampler(ds, generator=gen), 16, False),
+                collate_fn=collate_with_flag,
+                worker_init_fn=noop_init,
+                generator=gen,
+            )
+
+    class Check(pl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            dl = trainer.train_dataloader
+            self.seen.append(
+                (
+                    type(dl),
+                    dl.tag,
+                    type(dl.batch_sampler),
+                    dl.collate_fn,
+                    dl.worker_init_fn,
+                    dl.generator,
+                    dl.num_workers,
+                )
+            )
+
+    check = Check()
+    make_trainer(tmp_path, [DataLoaderTuner(cache=False), check], max_epochs=3, logger=False).fit(M(step_ms=2))
+    assert len({s[-1] for s in check.seen}) >= 2  # it was rebuilt
+    for s in check.seen:
+        assert s[:6] == (TaggedLoader, "mine", EveryOther, collate_with_flag, noop_init, gen)
+
+
+def test_sample_order_depends_on_the_seed_not_on_the_settings_picked(tmp_path):
+    def run(path, max_workers):
+        pl.seed_everything(21, workers=True)
+        seen, tuner = Indices(), DataLoaderTuner(max_workers=max_workers, cache=False)
+        dm = SyntheticDataModule(SyntheticDataset(192, latency_ms=8.0), batch_size=16, num_workers=0)
+        make_trainer(path, [tuner, seen], max_epochs=4, logger=False).fit(SimulatedModel(step_ms=2), datamodule=dm)
+        return seen.epochs, tuner.best_settings["num_workers"]
+
+    a, wa = run(tmp_path / "a", 2)
+    b, wb = run(tmp_path / "b", 12)
+    assert wa != wb  # the two runs settled differently...
+    assert a == b  # ...and trained on the same order
+    assert all(sorted(e) == list(range(192)) for e in a)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# run shapes
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_steps": 13},  # ends mid-epoch
+        {"limit_train_batches": 3},
+        {"fast_dev_run": True},
+        {"max_epochs": 1, "limit_train_batches": 2},  # very short
+        {"logger": False},
+        {"val_check_interval": 0.5, "limit_val_batches": 2},
+    ],
+)
+def test_run_shapes_do_something_sensible(tmp_path, kwargs):
+    class M(SimulatedModel):
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def val_dataloader(self):
+            return DataLoader(SyntheticDataset(32), batch_size=16)
+
+    dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=4.0), batch_size=16)
+    tuner = DataLoaderTuner(cache=False)
+    opts = {"max_epochs": 3, **kwargs}
+    trainer = make_trainer(tmp_path, [tuner], **opts)
+    trainer.fit(M(step_ms=2), datamodule=dm)
+    assert tuner.report is not None and tuner.report["trials"] == [t for t in tuner.report["trials"]]
+    assert tuner.best_settings is None or tuner.best_settings["num_workers"] >= 0
+
+
+def test_an_empty_loader_is_left_alone(tmp_path):
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(SyntheticDataset(1), batch_size=4, drop_last=True)  # zero batches
+
+    tuner = DataLoaderTuner(cache=False)
+    make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(M())
+    assert tuner.trials == [] and tuner.best_settings is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# soak
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rebuild_many(dl, n=25):
+    for i in range(n):
+        settings = {
+            "num_workers": 1 + i % 3,
+            "prefetch_factor": 1 + i % 2,
+            "pin_memory": True,
+            "persistent_workers": True,
+        }
+        with _lightning.recording():
+            dl = _lightning.rebuild_dataloader(dl, settings)
+        it = iter(dl)
+        for _ in range(3):
+            next(it)
+        _lightning.shutdown_workers(dl)
+    return dl
+
+
+def test_many_rebuilds_leak_no_processes_threads_or_file_descriptors():
+    proc = psutil.Process()
+    with _lightning.recording():
+        dl = DataLoader(SyntheticDataset(64), batch_size=8, shuffle=True)
+    dl = rebuild_many(dl)  # the first cycle creates one-time resources (semaphore tracker, pin-memory setup)
+    before = (len(proc.children(recursive=True)), threading.active_count(), proc.num_fds())
+    rebuild_many(dl)
+    after = (len(proc.children(recursive=True)), threading.active_count(), proc.num_fds())
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+    assert after[2] <= before[2], (before, after)  # file descriptors
