@@ -102,11 +102,6 @@ def request_train_reload(trainer: "pl.Trainer") -> None:
     fit_loop._combined_loader = None
 
 
-def train_loader_requests_pending(trainer: "pl.Trainer") -> bool:
-    """True between :func:`request_train_reload` and the next ``setup_data()``."""
-    return trainer.fit_loop._combined_loader is None
-
-
 def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
     """A new instance of ``loader``'s class with the same constructor arguments except ``overrides``.
 
