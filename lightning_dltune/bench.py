@@ -18,8 +18,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader
+from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune.budget import cpu_budget, default_max_workers
+from lightning_dltune.callback import _batch_size
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
 
@@ -126,7 +127,7 @@ def measure(loader: DataLoader, batches: int, warmup: int, repeats: int) -> tupl
             first = next(it)
             if r == 0:
                 startup = time.perf_counter() - t0
-                batch_samples = _samples(first)
+                batch_samples = _batch_size(first)
             for _ in range(warmup):
                 next(it)
             t1 = time.perf_counter()
@@ -144,15 +145,6 @@ def measure(loader: DataLoader, batches: int, warmup: int, repeats: int) -> tupl
     if not rates:
         raise BenchError(f"the loader has too few batches: need more than {warmup + 1} for a measurement.")
     return startup, rates, uss, batch_samples
-
-
-def _samples(batch: Any) -> int:
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        return int(extract_batch_size(batch))
-    except Exception:
-        return 1
 
 
 def sweep_configs(max_workers: int, prefetch: list[int]) -> list[LoaderSettings]:
@@ -190,9 +182,7 @@ def run_bench(
         try:
             startup, rates, uss, per_batch = measure(loader, batches, warmup, repeats)
         finally:
-            it = getattr(loader, "_iterator", None)
-            if it is not None and hasattr(it, "_shutdown_workers"):
-                it._shutdown_workers()
+            shutdown_workers(loader)
         med = statistics.median(rates)
         row = BenchRow(
             settings.num_workers,

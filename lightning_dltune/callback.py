@@ -210,6 +210,7 @@ class DataLoaderTuner(Callback):
         self.trials: list[Trial] = []
         self.diagnosis: str = ""
         self.report: dict[str, Any] | None = None
+        self.report_file: Path | None = None
         self.budget: Budget | None = None
         self.timer = StepTimer()
         self.phase = OBSERVING if observe_only else TUNING
@@ -403,12 +404,16 @@ class DataLoaderTuner(Callback):
             self.phase = DISABLED
         warn_once(key, f"DataLoaderTuner: {message}.")
 
-    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False) -> None:
-        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
+    def _set_target(self, settings: LoaderSettings) -> None:
+        """The settings the next loader is built with, mirrored onto a mixin DataModule (and its state)."""
         self._target = settings
-        datamodule = getattr(trainer, "datamodule", None)
+        datamodule = getattr(self._trainer, "datamodule", None)
         if isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = settings
+
+    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False) -> None:
+        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
+        self._set_target(settings)
         if settings == self._current:
             self._pending = None
         elif now:
@@ -473,16 +478,16 @@ class DataLoaderTuner(Callback):
 
     def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
         """A worker died: record the config as failed, fall back, and continue the epoch at ``position``."""
-        return self._fall_back(loader, position, "worker died", error)
+        return self._fall_back(loader, position, "a DataLoader worker died", error)
 
     def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        why = f"{kind}: {lines[-1] if lines else type(error).__name__}"  # a worker's traceback ends in its error
+        summary = lines[-1] if lines else type(error).__name__  # a worker's traceback ends in its error
         if self._recoveries >= _MAX_RECOVERIES or self._current is None or self._trainer is None:
             return None
         self._recoveries += 1
         failed = self._current
-        self.trials.append(Trial(failed, self._close_window(), failed=why))
+        self.trials.append(Trial(failed, self._close_window(), failed=f"{kind}: {summary}"))
         never = {t.settings for t in self.trials if t.failed}
         usable = [t for t in self.trials if t.usable and t.settings not in never]
         if usable:
@@ -493,14 +498,10 @@ class DataLoaderTuner(Callback):
             fallback = failed.with_workers(failed.num_workers // 2)
         if self.phase == TUNING:
             self._settle(self._trainer, fallback, apply=False)
-        self._target = fallback
-        datamodule = getattr(self._trainer, "datamodule", None)
-        if isinstance(datamodule, TunableDataModuleMixin):
-            datamodule.loader_settings = fallback
+        self._set_target(fallback)
         warn_once(
             f"fallback-{self._recoveries}",
-            f"DataLoaderTuner: {'a DataLoader worker died' if kind == 'worker died' else kind} "
-            f"({why.split(': ', 1)[-1]}). Rebuilt the train loader with "
+            f"DataLoaderTuner: {kind} ({summary}). Rebuilt the train loader with "
             f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self._trainer.current_epoch} "
             f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
         )
@@ -819,10 +820,8 @@ class DataLoaderTuner(Callback):
             self.phase = SETTLED if phase == SETTLED else TUNING
             if phase == SETTLED and self.best_settings is not None:
                 target = self.best_settings
-            self._target = None if target is None else LoaderSettings.from_dict(target)
-            datamodule = getattr(self._trainer, "datamodule", None)
-            if self._target is not None and isinstance(datamodule, TunableDataModuleMixin):
-                datamodule.loader_settings = self._target  # applied now: FSDP/DeepSpeed restore after on_fit_start
+            if target is not None:  # applied now: FSDP/DeepSpeed restore after on_fit_start
+                self._set_target(LoaderSettings.from_dict(target))
         if "epoch_order" in state_dict:
             self._restored_epoch = (list(state_dict["epoch_order"]), int(state_dict.get("epoch_batch", 0)))
 

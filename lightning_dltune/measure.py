@@ -19,7 +19,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 Clock = Callable[[], float]
@@ -74,10 +74,10 @@ class WindowStats:
         return self.other_s / self.steps if self.steps else 0.0
 
     def with_cpu(self, worker_cpu_s: float, main_cpu_s: float) -> WindowStats:
-        return _replace(self, worker_cpu_s=worker_cpu_s, main_cpu_s=main_cpu_s)
+        return replace(self, worker_cpu_s=worker_cpu_s, main_cpu_s=main_cpu_s)
 
     def with_memory(self, worker_mem_bytes: float, batch_bytes: float) -> WindowStats:
-        return _replace(self, worker_mem_bytes=worker_mem_bytes, batch_bytes=batch_bytes)
+        return replace(self, worker_mem_bytes=worker_mem_bytes, batch_bytes=batch_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = asdict(self)
@@ -88,12 +88,6 @@ class WindowStats:
     def from_dict(cls, data: dict[str, Any]) -> WindowStats:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def _replace(stats: WindowStats, **changes: Any) -> WindowStats:
-    data = asdict(stats)
-    data.update(changes)
-    return WindowStats(**data)
 
 
 class _Accumulator:
