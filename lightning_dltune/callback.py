@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_dltune import _lightning
+from lightning_dltune import _lightning, gpu
 from lightning_dltune._warn import warn_once
 from lightning_dltune.budget import cpu_budget, make_budget, memory_budget, shm_free_bytes
 from lightning_dltune.cache import TuningCache, default_cache_path
@@ -43,6 +43,9 @@ NUM_WORKERS = PREFIX + "num_workers"
 PREFETCH_FACTOR = PREFIX + "prefetch_factor"
 GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
 GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
+GPU_STALL_FRAC = PREFIX + "gpu_stall_frac"
+GPU_IDLE_MS = PREFIX + "gpu_idle_ms"
+H2D_MS = PREFIX + "h2d_ms"
 STALL_SPREAD = PREFIX + "stall_frac_spread"
 _STATE_VERSION = 1
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
@@ -119,6 +122,10 @@ class DataLoaderTuner(Callback):
         - ``dltune/num_workers``: ``num_workers`` of the current train loader
         - ``dltune/prefetch_factor``: its ``prefetch_factor`` (0 when loading in the main process)
         - ``dltune/gpu_util_pct``, ``dltune/gpu_mem_pct``: NVML utilization and memory use (CUDA only, %)
+        - ``dltune/gpu_stall_frac``: the GPU's idle gap waiting for the loader / the GPU's time (CUDA only,
+          fraction; from CUDA events read without synchronizing, and what decisions use there)
+        - ``dltune/gpu_idle_ms``, ``dltune/h2d_ms``: mean idle gap and host-to-device copy per step as the GPU
+          saw them (CUDA only, ms)
         - ``dltune/stall_frac_spread``: max minus min stall fraction across ranks (distributed runs only)
 
     Distributed: every rank measures; each decision is taken on the slowest rank's statistics and the
@@ -220,6 +227,7 @@ class DataLoaderTuner(Callback):
         self._window_cpu0: tuple[float, float] | None = None
         self._restores: list[Any] = []
         self._nvml: Any = None
+        self._gpu: gpu.GpuTimeline | None = None
         self._nvml_metrics: dict[str, float] = {}
         self._steps_since_log = 0
         self._trainer: pl.Trainer | None = None
@@ -251,8 +259,9 @@ class DataLoaderTuner(Callback):
         self.budget = self._make_budget(max(1, int(trainer.num_devices)))
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader),
-            _lightning.install_fetch_hooks(trainer, self._before_fetch, self.timer.fetch_ended),
+            _lightning.install_fetch_hooks(trainer, self._before_fetch, self._after_fetch),
         ]
+        self._gpu = gpu.timeline_for(trainer.strategy.root_device)
         if self.log_gpu and trainer.strategy.root_device.type == "cuda":
             from lightning_dltune.nvml import open_sampler
 
@@ -268,6 +277,7 @@ class DataLoaderTuner(Callback):
         for restore in reversed(self._restores):
             restore()
         self._restores = []
+        self._gpu = None
         if self._nvml is not None:
             if self._nvml.error:
                 warn_once("nvml-error", f"GPU sampling stopped early: NVML said {self._nvml.error}.")
@@ -428,6 +438,13 @@ class DataLoaderTuner(Callback):
         if self._guard_needed:
             self._install_guard()
         self.timer.fetch_started()
+        if self._gpu is not None:
+            self._gpu.fetch_started()
+
+    def _after_fetch(self) -> None:
+        self.timer.fetch_ended()
+        if self._gpu is not None:
+            self._gpu.fetch_ended()
 
     def _install_guard(self) -> None:
         self._guard_needed = False
@@ -514,6 +531,8 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.timer.epoch_started()
+        if self._gpu is not None:
+            self._gpu.epoch_started()
         self._keep_rng_as_untuned(trainer)
         self._guard_needed = self._resumable
         self._in_epoch = (
@@ -549,12 +568,16 @@ class DataLoaderTuner(Callback):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
+        if self._gpu is not None:
+            self._gpu.step_started(steady=self.timer.steady)
         self.timer.step_started()
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._gpu is not None:
+            self._gpu.step_ended()
         self.timer.step_ended(_batch_size(batch))
         self._fresh_loader = False
         if self._batch_bytes is None and self.phase != SETTLED:
@@ -589,6 +612,8 @@ class DataLoaderTuner(Callback):
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.timer.pause()
+        if self._gpu is not None:
+            self._gpu.pause()
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -596,6 +621,7 @@ class DataLoaderTuner(Callback):
 
     def _log(self, trainer: "pl.Trainer") -> None:
         stats = self.timer.take_log_window()
+        gpu_stats = self._gpu.take_log_window() if self._gpu is not None else None
         if self._nvml is not None:
             self._nvml_metrics = self._nvml.take() or self._nvml_metrics
         if trainer.world_size > 1:
@@ -615,6 +641,10 @@ class DataLoaderTuner(Callback):
         }
         if self.stall_spread is not None:
             metrics[STALL_SPREAD] = self.stall_spread
+        if gpu_stats is not None and gpu_stats.steps and gpu_stats.wall_s > 0:
+            metrics[GPU_STALL_FRAC] = gpu_stats.idle_s / gpu_stats.wall_s
+            metrics[GPU_IDLE_MS] = gpu_stats.idle_s / gpu_stats.steps * 1e3
+            metrics[H2D_MS] = gpu_stats.copy_s / gpu_stats.steps * 1e3
         if self._nvml_metrics:
             metrics[GPU_UTIL_PCT] = self._nvml_metrics["gpu_util_pct"]
             metrics[GPU_MEM_PCT] = self._nvml_metrics["gpu_mem_pct"]
@@ -625,6 +655,8 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------------------------------------------
     def _close_window(self) -> WindowStats:
         stats = self.timer.take_window()
+        if self._gpu is not None:
+            stats = stats.with_gpu(self._gpu.take_window())
         if self._window_cpu0 is not None:
             main0, kids0 = self._window_cpu0
             main1, kids1 = process_cpu_seconds()
@@ -669,6 +701,8 @@ class DataLoaderTuner(Callback):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._current is None or self.phase == SETTLED:
             self.timer.take_window()
+            if self._gpu is not None:
+                self._gpu.take_window(wait=False)
             return
         if self.timer.window_steps < self.policy.min_steps and not _is_last_epoch(trainer):
             return  # pool short epochs into one trial
@@ -699,7 +733,7 @@ class DataLoaderTuner(Callback):
         if entry is None or self.trials or self._target != trial.settings or not trial.usable:
             return None
         cached_rate = float(entry.get("samples_per_s") or 0.0)
-        stall, rate = trial.stats.stall_frac, trial.stats.samples_per_s
+        stall, rate = trial.stats.effective_stall_frac, trial.stats.samples_per_s
         if stall <= self.policy.stall_threshold or rate >= _CACHE_TOLERANCE * cached_rate:
             return Decision(
                 "settle", trial.settings, f"cached settings verified ({rate:.0f} samples/s, stall {stall:.1%})"
@@ -715,7 +749,8 @@ class DataLoaderTuner(Callback):
         per_sample = table[:, _STATS_FIELDS.index("wall_s")] / table[:, _STATS_FIELDS.index("samples")].clamp(min=1)
         slowest = table[int(per_sample.argmax())].tolist()
         values = dict(zip(_STATS_FIELDS, slowest[: len(_STATS_FIELDS)], strict=True))
-        values["steps"], values["samples"] = int(values["steps"]), int(values["samples"])
+        for name in ("steps", "samples", "gpu_steps"):
+            values[name] = int(values[name])
         stall = table[:, _STATS_FIELDS.index("wait_s")] / table[:, _STATS_FIELDS.index("wall_s")].clamp(min=1e-9)
         self.stall_spread = float(stall.max() - stall.min())
         tightest = table[:, len(_STATS_FIELDS) :].min(dim=0).values.tolist()
@@ -769,9 +804,9 @@ class DataLoaderTuner(Callback):
         if self.cache is False or self._cache_fields is None:
             return
         final = next((t for t in reversed(self.trials) if t.settings == settings and t.usable), None)
-        extra = (
-            {} if final is None else {"samples_per_s": final.stats.samples_per_s, "stall_frac": final.stats.stall_frac}
-        )
+        extra = {}
+        if final is not None:
+            extra = {"samples_per_s": final.stats.samples_per_s, "stall_frac": final.stats.effective_stall_frac}
         TuningCache(self._cache_path()).put(self._cache_fields, settings, extra)
 
     # ------------------------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ waiting on storage (``C << P``) wants far more workers than cores; a decode-boun
 * With ``w`` workers and a stall, all workers are busy, so ``P <= w * T`` (``T`` the wall time per step),
   and ``C`` is the workers' CPU time per batch. The tightest bound over the history is used.
 
+On CUDA the stall is the GPU's idle gap (CUDA events, see :mod:`lightning_dltune.gpu`) rather than the host's
+wait, and ``B`` is at least the GPU's time per step: a host that waits while the GPU still works is not a stall.
+When host-to-device copies take more than ``stall_threshold`` of the GPU's time and the loader does not pin its
+batches, ``pin_memory=True`` is tried, and kept only if it is measurably faster.
+
 Each decision jumps to the predicted worker count (with headroom), then verifies it with the next trial.
 Tuning stops when the stall is below the threshold, when the last change did not pay, when the CPU budget
 is reached, or when the trial budget is spent; the settled config is the cheapest one within measured noise
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from lightning_dltune.measure import WindowStats
@@ -115,13 +120,14 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     last = usable[-1]
     s = last.stats
-    busy = (s.step_s + s.other_s) / s.steps
+    # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
+    busy = max((s.step_s + s.other_s) / s.steps, s.mean_gpu_busy_s)
     bounds = []
     for t in usable:
         w = t.settings.num_workers
         if w == 0:
             bounds.append(t.stats.mean_wait_s)
-        elif t.stats.stall_frac > policy.stall_threshold / 2:
+        elif t.stats.effective_stall_frac > policy.stall_threshold / 2:
             bounds.append(w * t.stats.mean_wall_s)
     batch = min(bounds) if bounds else last.settings.num_workers * s.mean_wall_s
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
@@ -207,22 +213,31 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
 
-    stall = last.stats.stall_frac
+    budget_spent = len(trials) >= policy.max_trials
+
+    def settle(reason: str, est: Estimate | None = None) -> Decision:
+        # before settling, see whether pinned memory would shorten the copies the GPU waits for
+        pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
+        return pin or Decision("settle", best.settings, reason, est)
+
+    stall = last.stats.effective_stall_frac
     if stall <= policy.stall_threshold:
-        return Decision(
-            "settle", best.settings, f"stall {stall:.1%} is below the {policy.stall_threshold:.0%} threshold"
-        )
-    if len(trials) >= policy.max_trials:
+        seen = "the GPU's idle gap" if last.stats.gpu_stall_frac is not None else "stall"
+        return settle(f"{seen} {stall:.1%} is below the {policy.stall_threshold:.0%} threshold")
+    if budget_spent:
         return Decision("settle", best.settings, f"tuning budget of {policy.max_trials} trials spent")
     earlier = [t for t in usable[:-1] if t.settings != last.settings]
     if earlier:
         prev = min(earlier, key=lambda t: t.sec_per_sample)
         if last.sec_per_sample > prev.sec_per_sample * (1.0 - policy.min_gain):
-            return Decision(
-                "settle",
-                best.settings,
+            what = (
+                "pinned memory did not pay"
+                if last.settings.pin_memory != prev.settings.pin_memory
+                else ("more workers stopped paying")
+            )
+            return settle(
                 f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than "
-                f"{prev.settings.describe()}: more workers stopped paying",
+                f"{prev.settings.describe()}: {what}"
             )
 
     est = estimate(trials, budget, policy)
@@ -248,10 +263,10 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
         why = binding
         if est.needed_workers <= w:
             why = "the model (the wait is not from too few workers)"
-        return Decision("settle", best.settings, f"no more workers to add within {why}", est)
+        return settle(f"no more workers to add within {why}", est)
     cand = cur.with_workers(target)
     if cand in tried:
-        return Decision("settle", best.settings, f"{cand.describe()} was already measured", est)
+        return settle(f"{cand.describe()} was already measured", est)
     limit = f" (capped at {target} by {binding})" if target < est.needed_workers else ""
     return Decision(
         "try",
@@ -260,6 +275,35 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
         f"{est.needed_workers} workers hide it{limit}",
         est,
     )
+
+
+def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Policy) -> Decision | None:
+    """``best`` with ``pin_memory=True`` when host-to-device copies take more than ``stall_threshold`` of the
+    GPU's time, it was not measured yet, and its pinned batches fit the memory budget."""
+    s = best.stats
+    copy = s.copy_frac
+    if copy is None or copy <= policy.stall_threshold or best.settings.pin_memory:
+        return None
+    cand = replace(best.settings, pin_memory=True)
+    if cand in {t.settings for t in trials}:
+        return None
+    if budget.memory_bytes is not None:
+        w = cand.num_workers
+        in_flight = w * (cand.prefetch_factor or 0) + 1  # the pin thread's batch too
+        if s.batch_bytes * in_flight + w * s.worker_mem_bytes > budget.memory_bytes:
+            return None
+    return Decision(
+        "try",
+        cand,
+        f"host-to-device copies take {copy:.0%} of the GPU's time ({s.gpu_copy_s / s.gpu_steps * 1e3:.1f} ms "
+        "per step): pinned memory",
+    )
+
+
+def _waited(stats: WindowStats) -> str:
+    if stats.gpu_stall_frac is not None:
+        return f"the GPU sat idle waiting for data {stats.effective_stall_frac:.1%} of the time"
+    return f"training waited for data {stats.stall_frac:.1%} of the time"
 
 
 def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy = Policy()) -> str:
@@ -277,22 +321,39 @@ def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, p
             f"host-bound: {fs.mean_other_s * 1e3:.1f} ms per step go to host work between steps "
             "(logging, callbacks, host-to-device copies), more than to the step or the data wait."
         )
-    if start.stats.stall_frac <= th:
+    copy = fs.copy_frac
+    if copy is not None and copy > th and fs.gpu_copy_s > fs.gpu_idle_s:
+        if settled.pin_memory:
+            pinned = "the batches are already pinned"
+        elif any(t.settings.pin_memory for t in usable):
+            pinned = "pinned memory did not make it faster"
+        else:
+            pinned = "pinned memory was not tried"
         return (
-            f"accelerator-bound: training waited for data {start.stats.stall_frac:.1%} of the time with "
-            f"{start.settings.describe()}; the loader is not the bottleneck."
+            f"transfer-bound: host-to-device copies take {copy:.0%} of the GPU's time "
+            f"({fs.gpu_copy_s / fs.gpu_steps * 1e3:.1f} ms per step for {fs.batch_bytes / 2**20:.1f} MiB batches), "
+            f"more than the wait for the loader ({fs.gpu_idle_s / fs.gpu_steps * 1e3:.1f} ms); {pinned}. Send "
+            "less: uint8 instead of float32 images, decode or augment on the GPU, or drop unused fields."
         )
-    if fs.stall_frac <= th:
+    if start.stats.effective_stall_frac <= th:
+        host = ""
+        if start.stats.gpu_stall_frac is not None and start.stats.stall_frac > th:
+            host = f" (the host waited {start.stats.stall_frac:.0%} of the time while the GPU still worked)"
         return (
-            f"input-bound at the start ({start.stats.stall_frac:.0%} of the time waiting for data with "
+            f"accelerator-bound: {_waited(start.stats)} with {start.settings.describe()}{host}; "
+            "the loader is not the bottleneck."
+        )
+    if fs.effective_stall_frac <= th:
+        return (
+            f"input-bound at the start ({start.stats.effective_stall_frac:.0%} of the time waiting for data with "
             f"{start.settings.describe()}); {settled.describe()} hides the loading "
-            f"(stall {fs.stall_frac:.1%}, {speedup:.1f}x the throughput)."
+            f"(stall {fs.effective_stall_frac:.1%}, {speedup:.1f}x the throughput)."
         )
     est = estimate(usable, budget, policy)
     cap, binding = worker_cap(est, budget, settled.prefetch_factor or 2)
     if binding.startswith(("the memory", "the shared")) and cap <= settled.num_workers < est.needed_workers:
         return (
-            f"input-bound and held back by {binding}: still {fs.stall_frac:.0%} of the time waiting for data "
+            f"input-bound and held back by {binding}: still {fs.effective_stall_frac:.0%} of the time waiting for data "
             f"with {settled.describe()}, the model wants {est.needed_workers} workers. Free memory, make the "
             "dataset lighter per worker (lazy loading, numpy arrays instead of Python objects), or raise "
             "`max_memory` / the shared memory size (--shm-size, --ipc=host)."
@@ -301,24 +362,24 @@ def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, p
         return (
             f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "
             f"{budget.cpus:g} CPUs ({budget.bound_by}) cannot keep up with a {est.busy_s * 1e3:.1f} ms step "
-            f"(still {fs.stall_frac:.0%} stalled with {settled.describe()}); make decoding cheaper, "
+            f"(still {fs.effective_stall_frac:.0%} stalled with {settled.describe()}); make decoding cheaper, "
             "cache decoded data or give the job more CPUs."
         )
     more = [t for t in usable if t.settings.num_workers > settled.num_workers]
     if more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more):
         return (
-            f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
             f"({speedup:.1f}x the starting throughput), and more workers did not help: the host is saturated "
             "(CPU contention with the training process, or the storage's own limit)."
         )
     if est.needed_workers > budget.max_workers:
         return (
-            f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
             f"({speedup:.1f}x the starting throughput); the model wants {est.needed_workers} workers but "
             f"`max_workers` is {budget.max_workers}: raise it if memory allows, or cut the storage latency."
         )
     return (
-        f"input-bound: still {fs.stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+        f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
         f"({speedup:.1f}x the starting throughput); waits are bursty or the trial budget ran out: raise "
         "`max_trials` or `max_prefetch`, or reduce the latency tail of the storage."
     )

@@ -11,6 +11,9 @@ around validation, :meth:`StepTimer.pause`/:meth:`StepTimer.resume`. For step ``
 
 The first step after a loader is (re)built is charged, with the build itself, to ``startup_s`` and kept out
 of the steady-state statistics: it pays for worker start-up and for filling the pipeline.
+
+On CUDA the same steps are also measured as the GPU saw them (``gpu_*`` fields, from
+:class:`~lightning_dltune.gpu.GpuTimeline`); decisions then use the GPU's idle gap (``effective_stall_frac``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+from lightning_dltune.gpu import GpuStats
 
 Clock = Callable[[], float]
 
@@ -47,11 +52,41 @@ class WindowStats:
     startup_s: float = 0.0
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker at the window's end
     batch_bytes: float = 0.0  # tensor bytes of one batch
+    gpu_steps: int = 0  # steps the GPU timeline read (CUDA only); the gpu_* sums cover these steps
+    gpu_idle_s: float = 0.0  # the GPU idle while the host waited for the loader
+    gpu_copy_s: float = 0.0  # host-to-device copy as the GPU saw it
+    gpu_other_s: float = 0.0  # the GPU idle while the host did other work between steps
+    gpu_step_s: float = 0.0  # the steps as the GPU ran them
 
     @property
     def stall_frac(self) -> float:
         """Fraction of training wall time spent blocked on the loader."""
         return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def gpu_wall_s(self) -> float:
+        return self.gpu_idle_s + self.gpu_copy_s + self.gpu_other_s + self.gpu_step_s
+
+    @property
+    def gpu_stall_frac(self) -> float | None:
+        """Fraction of the GPU's time spent idle waiting for the loader (``None`` without a GPU timeline)."""
+        return self.gpu_idle_s / self.gpu_wall_s if self.gpu_steps and self.gpu_wall_s > 0 else None
+
+    @property
+    def copy_frac(self) -> float | None:
+        """Fraction of the GPU's time spent on host-to-device copies (``None`` without a GPU timeline)."""
+        return self.gpu_copy_s / self.gpu_wall_s if self.gpu_steps and self.gpu_wall_s > 0 else None
+
+    @property
+    def effective_stall_frac(self) -> float:
+        """The stall decisions use: the GPU's idle gap where it was measured, else the host's wait."""
+        gpu = self.gpu_stall_frac
+        return self.stall_frac if gpu is None else gpu
+
+    @property
+    def mean_gpu_busy_s(self) -> float:
+        """What the GPU spends per step when it is fed (copy and step), 0.0 without a GPU timeline."""
+        return (self.gpu_copy_s + self.gpu_step_s) / self.gpu_steps if self.gpu_steps else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -79,9 +114,21 @@ class WindowStats:
     def with_memory(self, worker_mem_bytes: float, batch_bytes: float) -> WindowStats:
         return replace(self, worker_mem_bytes=worker_mem_bytes, batch_bytes=batch_bytes)
 
+    def with_gpu(self, gpu: GpuStats) -> WindowStats:
+        return replace(
+            self,
+            gpu_steps=gpu.steps,
+            gpu_idle_s=gpu.idle_s,
+            gpu_copy_s=gpu.copy_s,
+            gpu_other_s=gpu.other_s,
+            gpu_step_s=gpu.step_s,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = asdict(self)
         out.update(stall_frac=self.stall_frac, samples_per_s=self.samples_per_s)
+        if self.gpu_steps:
+            out.update(gpu_stall_frac=self.gpu_stall_frac, copy_frac=self.copy_frac)
         return out
 
     @classmethod
@@ -249,6 +296,11 @@ class StepTimer:
             self._log.add(wait, step, other, samples, self._fetch_cpu)
         self._ref = now
         self._clear_gap()
+
+    @property
+    def steady(self) -> bool:
+        """Whether the step about to run counts as steady state (it is not the first after a loader build)."""
+        return not self._first_after_build
 
     # --- windows ----------------------------------------------------------------------------------------------
     @property

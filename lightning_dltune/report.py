@@ -17,24 +17,36 @@ REPORT_VERSION = 1
 
 
 def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> str:
-    """A fixed-width table: one row per trial with its throughput, stall and the decision taken after it."""
-    header = ("config", "steps", "samples/s", "stall", "wait ms", "step ms", "startup s", "decision")
+    """A fixed-width table: one row per trial with its throughput, stall and the decision taken after it.
+
+    With a GPU timeline (CUDA) it adds the GPU's stall (idle gap waiting for the loader) and the host-to-device
+    copy per step, next to the host's measure.
+    """
+    on_gpu = any(t.stats.gpu_steps for t in trials)
+    header: tuple[str, ...] = ("config", "steps", "samples/s", "stall", "wait ms", "step ms", "startup s")
+    if on_gpu:
+        header += ("gpu stall", "h2d ms")
+    header += ("decision",)
     rows = []
     for t in trials:
         s = t.stats
         mark = "*" if settled is not None and t.settings == settled else " "
-        rows.append(
-            (
-                f"{mark}{t.settings.describe()}",
-                str(s.steps),
-                f"{s.samples_per_s:.1f}",
-                f"{s.stall_frac:.1%}",
-                f"{s.mean_wait_s * 1e3:.2f}",
-                f"{s.mean_step_s * 1e3:.2f}",
-                f"{s.startup_s:.2f}",
-                (t.failed and f"FAILED: {t.failed}") or t.decision,
-            )
+        row: tuple[str, ...] = (
+            f"{mark}{t.settings.describe()}",
+            str(s.steps),
+            f"{s.samples_per_s:.1f}",
+            f"{s.stall_frac:.1%}",
+            f"{s.mean_wait_s * 1e3:.2f}",
+            f"{s.mean_step_s * 1e3:.2f}",
+            f"{s.startup_s:.2f}",
         )
+        if on_gpu:
+            gpu_stall = s.gpu_stall_frac
+            row += (
+                "-" if gpu_stall is None else f"{gpu_stall:.1%}",
+                f"{s.gpu_copy_s / s.gpu_steps * 1e3:.2f}" if s.gpu_steps else "-",
+            )
+        rows.append((*row, (t.failed and f"FAILED: {t.failed}") or t.decision))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = []
     for r in [header, *rows]:

@@ -64,18 +64,18 @@ class LoaderSettings:
         return replace(self, prefetch_factor=prefetch_factor)
 
     @property
-    def cost(self) -> tuple[int, int]:
-        """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight."""
-        return (self.num_workers, self.num_workers * (self.prefetch_factor or 0))
+    def cost(self) -> tuple[int, int, int]:
+        """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight, then no
+        page-locked (pinned) memory."""
+        return (self.num_workers, self.num_workers * (self.prefetch_factor or 0), int(self.pin_memory))
 
     def to_loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.utils.data.DataLoader`` (valid for 0 workers too)."""
         return asdict(self)
 
     def describe(self) -> str:
-        if self.num_workers == 0:
-            return "workers=0"
-        return f"workers={self.num_workers} prefetch={self.prefetch_factor}"
+        text = "workers=0" if self.num_workers == 0 else f"workers={self.num_workers} prefetch={self.prefetch_factor}"
+        return text + " pinned" if self.pin_memory else text
 
     @classmethod
     def from_loader(cls, loader: Any) -> LoaderSettings:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lightning_dltune.mixin import TunableDataModuleMixin
 
 
-def _busy_cpu(seconds: float) -> int:
+def busy_cpu(seconds: float) -> int:
     """Spin the CPU (pure Python, one core, no GIL release) for about ``seconds``."""
     end = time.thread_time() + seconds
     acc = 0
@@ -70,7 +70,7 @@ class SyntheticDataset(Dataset):
         if self.latency_ms:
             time.sleep(self.latency_ms * factor / 1e3)
         if self.cpu_ms:
-            _busy_cpu(self.cpu_ms * factor / 1e3)
+            busy_cpu(self.cpu_ms * factor / 1e3)
         g = torch.Generator().manual_seed(index)
         x = torch.randn(self.features, generator=g)
         return x, torch.tensor(index % self.num_classes), index

@@ -32,3 +32,15 @@ def no_leftovers():
         if time.monotonic() > deadline:
             pytest.fail(f"test left behind processes {[p.pid for p in extra]} and threads {threads}")
         time.sleep(0.1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it (``scripts/gpu_check.sh`` runs them on a GPU machine)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; run scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU check of lightning-dltune, for a machine with a CUDA GPU: installs what it needs, runs the GPU tests
+# (tests marked `gpu`, plus the GPU-path tests that run anywhere), then a short GPU benchmark (a small CNN on the
+# GPU fed by a CPU-decoded dataset: DataLoaderTuner from 0 workers against every static config), and prints a
+# compact result. About 2-4 minutes on an H200 with 16 CPUs; each stage has a time limit, 6 minutes in all.
+#
+#   scripts/gpu_check.sh [OUT_DIR]        # default OUT_DIR: benchmarks/results
+#
+# Writes OUT_DIR/gpu_check.log and OUT_DIR/gpu_cuda.json. Without a CUDA device the tests skip and the
+# benchmark runs as a CPU smoke run (--device cpu --quick), so the script itself can be checked anywhere.
+# Needs no network where torch, lightning, torchmetrics, nvidia-ml-py, psutil, tensorboard and pytest are
+# installed; otherwise it pip-installs the missing ones.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+log="$out/gpu_check.log"
+export PYTHONUNBUFFERED=1
+
+run() {
+    echo "== environment"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    "$py" -c "import torch, lightning; print('torch', torch.__version__, '| cuda', torch.version.cuda, \
+'| CUDA device:', torch.cuda.is_available(), '| lightning', lightning.__version__)" || return 1
+
+    echo "== install"
+    missing=$("$py" - <<'PYEOF'
+import importlib.util
+need = {"torch": "torch", "lightning": "lightning", "torchmetrics": "torchmetrics", "pynvml": "nvidia-ml-py",
+        "psutil": "psutil", "tensorboard": "tensorboard", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+print(" ".join(pip for mod, pip in need.items() if importlib.util.find_spec(mod) is None))
+PYEOF
+)
+    if [ -n "$missing" ]; then
+        echo "installing: $missing"
+        "$py" -m pip install -q $missing || echo "could not install $missing (no network?); continuing"
+    fi
+    if ! "$py" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1; then
+        echo "pip could not install the package; using PYTHONPATH=$PWD"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    "$py" -c "import lightning_dltune as d; print('lightning-dltune', d.__version__)" || return 1
+
+    bench_args=()
+    if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "NOTE: no CUDA device here: the gpu tests skip and the benchmark is a CPU smoke run"
+        bench_args=(--device cpu --quick)
+    fi
+
+    echo "== GPU tests"
+    timeout 200 "$py" -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" \
+        tests/test_cuda.py tests/test_gpu_timeline.py tests/test_gpu_callback.py tests/test_nvml.py
+    tests_rc=$?
+
+    echo "== GPU benchmark"
+    timeout 150 "$py" benchmarks/gpu.py --out "$out" "${bench_args[@]}"
+    bench_rc=$?
+    echo "== done: tests rc=$tests_rc, benchmark rc=$bench_rc"
+    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+}
+
+run 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+echo
+echo "== summary (full log: $log)"
+grep -E "^(torch |NOTE|RESULT|wrote|== done)|passed|failed|skipped|error" "$log" | grep -v "^  " | tail -15
+exit "$rc"
