@@ -38,7 +38,7 @@ class DecodedImages(Dataset):
     """``length`` 3x``size``x``size`` images decoded on the CPU: a deterministic uint8 image per index, then
     ``cpu_ms`` of decode work, a random crop and flip, and float conversion with normalization."""
 
-    def __init__(self, length: int, size: int = 64, cpu_ms: float = 0.25) -> None:
+    def __init__(self, length: int, size: int = 64, cpu_ms: float = 0.1) -> None:
         self.length, self.size, self.cpu_ms = length, size, cpu_ms
 
     def __len__(self) -> int:
@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 epochs of 8 steps, grid 0,2")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=32, help="steps per epoch")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200, help="steps per epoch (long enough to tune in-epoch)")
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--cpu-ms", type=float, default=0.25, help="CPU decode time per image")
+    parser.add_argument("--cpu-ms", type=float, default=0.1, help="CPU decode time per image")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     if args.device == "auto":

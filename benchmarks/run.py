@@ -216,7 +216,32 @@ def markdown(results: dict[str, Any]) -> str:
         f"median {ov['observe_only']['median_ratio']:.3f}x (range {ov['observe_only']['min_ratio']:.3f}-"
         f"{ov['observe_only']['max_ratio']:.3f}).",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + gpu_markdown(HERE / "results" / "gpu_cuda.json"))
+
+
+def gpu_markdown(path: Path) -> list[str]:
+    """The GPU benchmark's paragraph: its committed result (from ``scripts/gpu_check.sh``), or that it has none."""
+    if not path.exists():
+        return [
+            "",
+            "GPU: `benchmarks/gpu.py` (a small CNN on the GPU fed by CPU-decoded images, DataLoaderTuner from 0 "
+            "workers against every static config) has no committed result yet: no GPU machine was available. "
+            "`scripts/gpu_check.sh` runs it and writes `benchmarks/results/gpu_cuda.json`.",
+        ]
+    g = json.loads(path.read_text())
+    r, t = g["ratios_to_oracle"], g["tuner"]
+
+    def pct(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1%}"
+
+    return [
+        "",
+        f"GPU ({g['device']}, {g['cpus']:g} CPUs, torch {g['torch']}; `benchmarks/gpu.py`, small CNN, CPU-decoded "
+        f"images): DataLoaderTuner {r['tuner']:.2f}x the oracle ({g['oracle_workers']} workers), default "
+        f"{r['default']:.2f}x, rule of thumb {r['rule_of_thumb']:.2f}x; settled on {t['settled']['num_workers']} "
+        f"workers, GPU stall {pct(t['first_gpu_stall'])} at 0 workers and {pct(t['settled_gpu_stall'])} settled "
+        f"(host: {pct(t['first_host_stall'])} and {pct(t['settled_host_stall'])}).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
