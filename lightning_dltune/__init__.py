@@ -3,6 +3,7 @@
 from lightning_dltune._warn import DLTuneWarning
 from lightning_dltune.callback import DataLoaderTuner
 from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose
+from lightning_dltune.gpu import GpuStats, GpuTimeline
 from lightning_dltune.measure import StepTimer, WindowStats
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.settings import LoaderSettings
@@ -14,6 +15,8 @@ __all__ = [
     "DLTuneWarning",
     "DataLoaderTuner",
     "Decision",
+    "GpuStats",
+    "GpuTimeline",
     "LoaderSettings",
     "Policy",
     "StepTimer",

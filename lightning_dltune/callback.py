@@ -66,6 +66,11 @@ class DataLoaderTuner(Callback):
     ``prefetch_factor``, within the CPUs this process may use. Once the stall is gone (or more workers stop
     paying) it settles, prints a summary with a one-line diagnosis, and writes ``dltune_report.json``.
 
+    On CUDA the stall is measured as the GPU sees it: CUDA events at step end, fetch start and end, and step
+    start, read later without synchronizing (:class:`~lightning_dltune.gpu.GpuTimeline`), give the GPU's idle
+    gap and the host-to-device copy per step. Decisions then use the GPU's idle gap, and when copies take more
+    than ``stall_threshold`` of the GPU's time the tuner tries ``pin_memory=True`` and keeps it if faster.
+
     Works with a DataModule that inherits :class:`~lightning_dltune.TunableDataModuleMixin` and with a plain
     ``DataLoader`` returned by any ``train_dataloader()`` (rebuilt as Lightning rebuilds loaders for its
     distributed sampler).
