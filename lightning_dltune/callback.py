@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from array import array
 from pathlib import Path
@@ -51,6 +52,7 @@ _STATE_VERSION = 1
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
 
 TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabled"
+HELD = "held"  # tuning stopped for the rest of this fit: switching would not pay in the steps left
 MODES = ("auto", "epoch", "in_epoch")
 _MAX_RECOVERIES = 3
 _LONG_EPOCH_S = 60.0
@@ -93,7 +95,9 @@ class DataLoaderTuner(Callback):
         mode: when to switch configs. ``"epoch"``: at epoch boundaries. ``"in_epoch"``: every
             ``window_steps`` steps, inside the epoch, continuing from exactly the batch the loop reached.
             ``"auto"``: in-epoch for long epochs (at least ``8 * window_steps`` batches, or a first window
-            predicting over a minute per epoch), epoch boundaries otherwise. In-epoch switching needs a
+            predicting over a minute per epoch), epoch boundaries otherwise, except that a window whose stall
+            is plainly the loader's (half the time or more, after ``min_steps``) switches at once when more than
+            ``min_steps`` batches of the epoch are left (single process only). In-epoch switching needs a
             map-style dataset with a plain ``BatchSampler`` (what ``batch_size=``/``shuffle=`` create); other
             loaders fall back to epoch boundaries with one message.
         window_steps: steps per measurement window in in-epoch mode.
@@ -136,6 +140,11 @@ class DataLoaderTuner(Callback):
     Distributed: every rank measures; each decision is taken on the slowest rank's statistics and the
     smallest budget of any node (gathered with the strategy's ``all_gather``), and every rank switches at the
     same step, so Lightning's reload barrier never waits on a rank that decided otherwise.
+
+    Run length: a switch restarts the loader's workers, so with ``max_epochs``/``max_steps`` known a config is
+    tried only if it is predicted to save more over the steps left than its start-up costs; otherwise the tuner
+    stays on its config for the rest of the run (``phase == "held"``) and plans the next config for a resumed
+    or longer run.
 
     Checkpoints: the tuner's phase, trials and settled settings are saved with the callback state (and, with
     the mixin, the settings with the DataModule's). A run resumed after tuning settled starts on the settled
@@ -247,6 +256,8 @@ class DataLoaderTuner(Callback):
         self._cached_entry: dict[str, Any] | None = None
         self._batch_bytes: float | None = None
         self._fresh_loader = False  # the running loader has not delivered a batch yet
+        self._held = ""  # why this run stays on its config (phase HELD)
+        self._planned: LoaderSettings | None = None  # the config a longer or resumed run would try next
 
     @property
     def state_key(self) -> str:
@@ -261,6 +272,8 @@ class DataLoaderTuner(Callback):
             return
         self._trainer = trainer
         self.timer = StepTimer()
+        if self.phase == HELD:  # a new fit has its own length: judge again
+            self.phase, self._held, self._planned = TUNING, "", None
         self.budget = self._make_budget(max(1, int(trainer.num_devices)))
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader),
@@ -317,7 +330,7 @@ class DataLoaderTuner(Callback):
         self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
         overrides: dict[str, Any] = {}
         target = self._target
-        if target is not None and target != current and self.phase in (TUNING, SETTLED):
+        if target is not None and target != current and self.phase in (TUNING, SETTLED, HELD):
             overrides.update(target.to_loader_kwargs())
         resumable = self._resumable_overrides(loader)
         overrides.update(resumable)
@@ -390,7 +403,7 @@ class DataLoaderTuner(Callback):
 
     def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
         """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
-        if self.mode == "epoch" or self.phase not in (TUNING, SETTLED):
+        if self.mode == "epoch" or self.phase not in (TUNING, SETTLED, HELD):
             return {}
         bs = loader.batch_sampler
         if isinstance(bs, ResumableBatchSampler):
@@ -601,8 +614,10 @@ class DataLoaderTuner(Callback):
                 if trainer.world_size > 1:  # every rank must make the same choice
                     predicted = float(trainer.strategy.reduce(torch.tensor(predicted), reduce_op="max"))
                 self._in_epoch = predicted >= _LONG_EPOCH_S
-            if self._in_epoch and left > self.policy.min_steps:
-                self._close_trial(trainer, now=True)
+            if left > self.policy.min_steps and (self._in_epoch or (self.mode == "auto" and self._obvious_stall())):
+                # long epochs switch every window; a short one switches once the loader is plainly the
+                # bottleneck, instead of spending the rest of the epoch on a config already judged
+                self._close_trial(trainer, now=True, done=batch_idx + 1)
 
     def _window_done(self) -> bool:
         """A window is full after ``window_steps``, or after ``min_steps`` when the loader is plainly the
@@ -610,9 +625,12 @@ class DataLoaderTuner(Callback):
         steps = self.timer.window_steps
         if steps >= self.window_steps:
             return True
+        return steps >= self.policy.min_steps and self._obvious_stall()
+
+    def _obvious_stall(self) -> bool:
         if self._trainer is not None and self._trainer.world_size > 1:
             return False  # a rank-local criterion would let ranks enter the decision's collectives apart
-        return steps >= self.policy.min_steps and self.timer.peek_window().stall_frac >= _OBVIOUS_STALL
+        return self.timer.peek_window().stall_frac >= _OBVIOUS_STALL
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -704,7 +722,7 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._current is None or self.phase == SETTLED:
+        if self._current is None or self.phase in (SETTLED, HELD):
             self.timer.take_window()
             if self._gpu is not None:
                 self._gpu.take_window(wait=False)
@@ -713,9 +731,10 @@ class DataLoaderTuner(Callback):
             return  # pool short epochs into one trial
         if self._in_epoch:
             return  # windows run inside the epoch and carry over into the next one
-        self._close_trial(trainer, now=False)
+        self._close_trial(trainer, now=False, done=trainer.num_training_batches)
 
-    def _close_trial(self, trainer: "pl.Trainer", now: bool) -> None:
+    def _close_trial(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
+        """Judge the window that just ended; ``done``: batches of this epoch already trained."""
         assert self._current is not None
         stats, budget = self._close_window(), self._budget()
         if trainer.world_size > 1:
@@ -724,13 +743,35 @@ class DataLoaderTuner(Callback):
         if self.phase in (OBSERVING, DISABLED):
             self.trials.append(trial)
             return
-        decision = self._verify_cached(trial) or decide([*self.trials, trial], budget, self.policy)
+        decision = self._verify_cached(trial) or decide(
+            [*self.trials, trial], budget, self.policy, _remaining_steps(trainer, done)
+        )
         decision = trainer.strategy.broadcast(decision, src=0)  # every rank must switch at the same step
         self.trials.append(Trial(trial.settings, trial.stats, trial.failed, _decision_text(decision)))
         if decision.action == "try":
             self._apply(trainer, decision.settings, now=now)
         elif decision.action == "settle":
             self._settle(trainer, decision.settings, now=now)
+        elif decision.action == "hold":
+            self._hold(decision)
+
+    def _hold(self, decision: Decision) -> None:
+        """Stay on the running config for the rest of this ``fit``: the next config would not pay for its
+        start-up in the steps left. Not a settled result: a resumed run continues tuning from
+        ``decision.settings``, and the cache only learns the best config if it beat the starting one."""
+        self.phase, self._held, self._planned = HELD, decision.reason, decision.settings
+        self._in_epoch = False
+        best = pick_best(self.trials, self.policy)
+        if best.settings != self._start:
+            self._remember(best.settings)
+        self.best_settings = best.settings.to_loader_kwargs()
+        self.diagnosis = diagnose(self.trials, best.settings, self._budget(), self.policy)
+        if self.verbose:
+            rank_zero_info(
+                f"DataLoaderTuner stays on {self._current.describe() if self._current else '?'} for the rest of "
+                f"this run: {decision.reason}\n{summary_table(self.trials, best.settings)}\nDiagnosis: "
+                f"{self.diagnosis}"
+            )
 
     def _verify_cached(self, trial: Trial) -> Decision | None:
         """The first window of a cache hit: keep the cached settings if they still hold."""
@@ -819,13 +860,14 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
+        target = self._planned or self._target  # a held run's plan is what a resumed run should try
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "phase": self.phase,
             "trials": [trial_to_dict(t) for t in self.trials],
             "best_settings": self.best_settings,
             "start": None if self._start is None else self._start.to_loader_kwargs(),
-            "target": None if self._target is None else self._target.to_loader_kwargs(),
+            "target": None if target is None else target.to_loader_kwargs(),
             "settled_step": self.settled_step,
             "diagnosis": self.diagnosis,
         }
@@ -867,12 +909,17 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.phase in (TUNING, OBSERVING, DISABLED) and any(t.usable for t in self.trials):
+        if self.phase in (TUNING, HELD, OBSERVING, DISABLED) and any(t.usable for t in self.trials):
             best = pick_best(self.trials, self.policy).settings
             if self.phase != TUNING or self.best_settings is None:
                 self.best_settings = best.to_loader_kwargs()
             self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy)
-            if self.phase == TUNING:
+            if self.phase == HELD and self._planned is not None:
+                self.diagnosis += (
+                    f" (Tuning stopped for this run: {self._held}. A resumed or longer run continues with "
+                    f"{self._planned.describe()}.)"
+                )
+            elif self.phase == TUNING:
                 self.diagnosis += " (tuning had not settled when training ended.)"
         self.report = build_report(
             trials=self.trials,
@@ -909,7 +956,24 @@ def _decision_text(decision: Decision) -> str:
         return f"try {decision.settings.describe()}: {decision.reason}"
     if decision.action == "settle":
         return f"settle on {decision.settings.describe()}: {decision.reason}"
+    if decision.action == "hold":
+        return f"stay for the rest of this run: {decision.reason}"
     return f"keep measuring: {decision.reason}"
+
+
+def _remaining_steps(trainer: "pl.Trainer", done: float) -> int | None:
+    """Training batches left in ``fit`` after ``done`` batches of the current epoch (``None``: unbounded)."""
+    batches = trainer.num_training_batches
+    if not math.isfinite(batches):
+        return None
+    left: float | None = None
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        left = (trainer.max_epochs - trainer.current_epoch) * batches - done
+    module = trainer.lightning_module
+    if trainer.max_steps >= 0 and trainer.accumulate_grad_batches == 1 and module.automatic_optimization:
+        by_steps = trainer.max_steps - trainer.global_step  # one optimizer step per batch
+        left = by_steps if left is None else min(left, by_steps)
+    return None if left is None else max(0, int(left))
 
 
 def _is_last_epoch(trainer: "pl.Trainer") -> bool:

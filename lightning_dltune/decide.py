@@ -31,7 +31,7 @@ from typing import Literal
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
-Action = Literal["measure", "try", "settle"]
+Action = Literal["measure", "try", "settle", "hold"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class Policy:
     noise_floor: float = 0.03
     burst_ratio: float = 4.0
     worker_mem_prior: float = 64 * 2**20  # bytes per worker assumed before one was measured
+    startup_prior_s: float = 0.05  # seconds to start one worker (and fill its pipeline) before one was measured
     shm_fraction: float = 0.5  # share of free /dev/shm that batches in flight may take
 
 
@@ -194,8 +195,16 @@ def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
     return stats.wait_p90_s > policy.burst_ratio * stats.wait_p50_s and stats.wait_p90_s > 0.25 * busy
 
 
-def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Decision:
+def decide(
+    trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), remaining_steps: int | None = None
+) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, or settle.
+
+    ``remaining_steps`` (``None``: unknown) is how many training steps are left. When it is known, a config is
+    only tried if the time it is predicted to save over those steps exceeds what starting its workers costs
+    (measured per worker on earlier trials, ``Policy.startup_prior_s`` before that). Otherwise the decision is
+    ``"hold"``: stay on the current config for the rest of this run, with the config that would be tried next
+    in ``settings`` (a longer or resumed run may still want it; it is not a measured result to settle on).
 
     Raises:
         ValueError: if ``trials`` is empty.
@@ -218,7 +227,15 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
     def settle(reason: str, est: Estimate | None = None) -> Decision:
         # before settling, see whether pinned memory would shorten the copies the GPU waits for
         pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
-        return pin or Decision("settle", best.settings, reason, est)
+        if pin is not None and best.stats.gpu_steps:
+            gain = 0.5 * best.stats.gpu_copy_s / best.stats.gpu_steps  # pinned copies: about twice as fast
+            if _wasted(trials, pin.settings, gain, remaining_steps, policy) is None:
+                return pin
+        return Decision("settle", best.settings, reason, est)
+
+    def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
+        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy)
+        return Decision("hold", cand, wasted, est) if wasted else Decision("try", cand, reason, est)
 
     stall = last.stats.effective_stall_frac
     if stall <= policy.stall_threshold:
@@ -251,9 +268,9 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
         cand = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
         fits_shm = est.shm_cap_slots is None or w * (cand.prefetch_factor or 0) <= est.shm_cap_slots
         if cand not in tried and fits_shm:
-            return Decision(
-                "try",
+            return try_(
                 cand,
+                0.5 * last.stats.mean_wait_s,  # a guess: deeper prefetch absorbs about half of a bursty wait
                 f"waits are bursty (p90 {last.stats.wait_p90_s * 1e3:.1f} ms vs median "
                 f"{last.stats.wait_p50_s * 1e3:.1f} ms): deeper prefetch",
                 est,
@@ -268,12 +285,39 @@ def decide(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -
     if cand in tried:
         return settle(f"{cand.describe()} was already measured", est)
     limit = f" (capped at {target} by {binding})" if target < est.needed_workers else ""
-    return Decision(
-        "try",
+    predicted_wall = max(est.busy_s, est.batch_s / target)
+    return try_(
         cand,
+        last.stats.mean_wall_s - predicted_wall,
         f"a batch takes {est.batch_s * 1e3:.1f} ms to load and the step {est.busy_s * 1e3:.1f} ms: "
         f"{est.needed_workers} workers hide it{limit}",
         est,
+    )
+
+
+def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Policy()) -> float:
+    """Predicted cost of switching to a loader with ``workers`` workers: building it, starting the workers and
+    filling the pipeline, per worker as measured on earlier trials (the largest), else the policy's prior."""
+    per_worker = [
+        t.stats.startup_s / t.settings.num_workers
+        for t in trials
+        if t.usable and t.settings.num_workers > 0 and t.stats.startup_s > 0
+    ]
+    return (max(per_worker) if per_worker else policy.startup_prior_s) * max(1, workers)
+
+
+def _wasted(
+    trials: Sequence[Trial], cand: LoaderSettings, gain_s: float, remaining: int | None, policy: Policy
+) -> str | None:
+    """Why switching to ``cand`` would not pay (``None`` when it would, or when the run's length is unknown)."""
+    if remaining is None:
+        return None
+    saved, cost = max(0.0, gain_s) * remaining, restart_cost_s(trials, cand.num_workers, policy)
+    if saved > cost:
+        return None
+    return (
+        f"{cand.describe()} would save about {saved:.2f} s over the {remaining} steps left, less than the "
+        f"{cost:.2f} s its loader takes to start"
     )
 
 

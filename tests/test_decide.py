@@ -206,3 +206,28 @@ def test_memory_and_shm_caps(trials, budget, action, expected, why):
     decision = decide(trials, budget, Policy())
     assert (decision.action, decision.settings) == (action, expected), decision.reason
     assert why in decision.reason
+
+
+def test_a_switch_must_pay_for_its_start_up_in_the_steps_left():
+    start = trial(0, 160, 10, fetch_cpu_ms=1)  # 170 ms a step; 16 workers would make it about 10 ms
+    assert decide([start], BUDGET, remaining_steps=None).action == "try"  # unknown length: always worth it
+    assert decide([start], BUDGET, remaining_steps=100).action == "try"  # saves ~16 s, costs ~0.8 s
+    held = decide([start], BUDGET, remaining_steps=4)  # saves ~0.6 s, costs 16 x 0.05 s prior
+    assert held.action == "hold" and held.settings == cfg(16)
+    assert "over the 4 steps left, less than the 0.80 s" in held.reason
+
+
+def test_restart_cost_is_measured_per_worker_on_earlier_trials():
+    from dataclasses import replace
+
+    from lightning_dltune.decide import restart_cost_s
+
+    assert restart_cost_s([trial(0, 160, 10)], 8) == pytest.approx(8 * Policy().startup_prior_s)
+    measured = trial(4, 30, 10)
+    measured = replace(measured, stats=replace(measured.stats, startup_s=0.8))  # 0.2 s per worker
+    assert restart_cost_s([trial(0, 160, 10), measured], 8) == pytest.approx(1.6)
+    # 4 -> 16 workers saves ~30 ms a step and costs 16 x 0.2 s = 3.2 s: worth it over 200 steps, not over 100
+    history = [trial(0, 160, 10, fetch_cpu_ms=1), measured]
+    assert decide(history, BUDGET, remaining_steps=200).action == "try"
+    held = decide(history, BUDGET, remaining_steps=100)
+    assert held.action == "hold" and held.settings == cfg(16) and "less than the 3.20 s" in held.reason

@@ -167,3 +167,28 @@ def test_a_killed_worker_is_replaced_and_the_epoch_continues_exactly(tmp_path):
     failed = [t for t in tuner.trials if t.failed]
     assert failed and failed[0].settings.num_workers == 4 and "worker died" in failed[0].failed
     assert tuner.best_settings["num_workers"] != 4  # a config whose worker died is not chosen again
+
+
+class WorkersPerBatch(pl.Callback):
+    def __init__(self):
+        self.seen: list[tuple[int, int]] = []  # (epoch, num_workers of the loader that delivered the batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.current_epoch, trainer.train_dataloader.num_workers))
+
+
+@pytest.mark.parametrize("mode", ["auto", "epoch"])
+def test_a_short_epoch_switches_once_the_stall_is_obvious_unless_told_to_wait(tmp_path, mode):
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "plain", epochs=2)
+    tuner, workers = DataLoaderTuner(mode=mode), WorkersPerBatch()
+    tuned = run(tmp_path / "b", tuner, "plain", epochs=2, extra=[workers])
+
+    assert tuned == reference  # exact permutations, in the untuned order, even across the switch
+    first_epoch = {w for e, w in workers.seen if e == 0}
+    assert tuner.trials[0].settings.num_workers == 0
+    if mode == "auto":  # 60 batches is a short epoch: still switched after min_steps, at a 94% stall
+        assert tuner.trials[0].stats.steps < 20
+        assert 0 in first_epoch and max(first_epoch) > 0
+    else:
+        assert tuner.trials[0].stats.steps == 59  # the whole first epoch but its start-up step
+        assert first_epoch == {0}

@@ -30,10 +30,17 @@ def fit(tmp_path, epochs, ckpt_path=None, tuner=None, dm=None, spy=None, every_n
 
 
 def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_tune(tmp_path):
-    first, _ = fit(tmp_path, epochs=3)
+    # a 20% threshold settles after the first jump: no near-threshold stall left for the run length to judge
+    first, _ = fit(tmp_path, epochs=3, tuner=DataLoaderTuner(cache=False, stall_threshold=0.2))
     assert first.phase == "settled"
     spy = LoaderSpy()
-    second, _ = fit(tmp_path, epochs=5, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy)
+    second, _ = fit(
+        tmp_path,
+        epochs=5,
+        ckpt_path=tmp_path / "ckpt" / "last.ckpt",
+        spy=spy,
+        tuner=DataLoaderTuner(cache=False, stall_threshold=0.2),
+    )
     assert len(second.trials) == len(first.trials)  # zero tuning trials after resume
     assert second.best_settings == first.best_settings
     assert spy.workers == [first.best_settings["num_workers"]] * 2  # from the first resumed epoch on
@@ -41,8 +48,9 @@ def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_t
 
 def test_resumed_mid_tuning_it_continues_where_it_was(tmp_path):
     first, _ = fit(tmp_path, epochs=1)
-    assert first.phase == "tuning" and len(first.trials) == 1
-    planned = first._target.num_workers
+    # the run ended after its first window: too late to pay for a switch, so it stays and plans the next config
+    assert first.phase == "held" and len(first.trials) == 1
+    planned = first.state_dict()["target"]["num_workers"]
     assert planned > 0
     spy = LoaderSpy()
     second, _ = fit(tmp_path, epochs=3, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy)
