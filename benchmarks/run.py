@@ -141,10 +141,11 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
     tuner = DataLoaderTuner(verbose=False, report_path=False, cache=False)
     tuned = fit_once(w, 0, 1, tuner)
     oracle_k = min(static, key=static.get)
-    print(f"  long_epoch   tuner settled at step {tuner.settled_step} of {steps} {tuned:7.2f} s", flush=True)
+    print(f"  long_epoch   tuner {tuner.phase} at step {tuner.settled_step} of {steps} {tuned:7.2f} s", flush=True)
     return {
         "steps": steps,
         "settled_step": tuner.settled_step,
+        "tuner_phase": tuner.phase,
         "settled_frac": (tuner.settled_step or steps) / steps,
         "tuner_workers": tuner.best_settings["num_workers"],
         "tuner_s": tuned,
@@ -204,7 +205,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"One long latency-bound epoch ({le['steps']} steps, 10 ms per sample, from 0 workers, in-epoch "
-        f"switching): the tuner settled on {le['tuner_workers']} workers at step {le['settled_step']} "
+        f"switching): the tuner {le['tuner_phase']} on {le['tuner_workers']} workers at step {le['settled_step']} "
         f"({le['settled_frac']:.0%} of the epoch); whole run {le['tuner_s']:.1f} s vs the oracle's "
         f"{le['oracle_s']:.1f} s ({le['oracle_workers']} workers): {le['ratio']:.2f}x.",
     ]

@@ -117,7 +117,8 @@ class DataLoaderTuner(Callback):
         best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
         trials: the measured :class:`~lightning_dltune.decide.Trial` history.
         diagnosis: one sentence on what bounds training.
-        settled_step: the global step at which tuning settled (``None`` until then).
+        settled_step: the global step at which tuning settled, or held for the rest of the run (``None`` until
+            then).
         budget: this process's own budget; ``agreed_budget`` the tightest over all nodes (distributed runs).
         cache_hit: whether this run started from cached settings.
         report: the report written at the end of ``fit`` (a dict).
@@ -753,14 +754,15 @@ class DataLoaderTuner(Callback):
         elif decision.action == "settle":
             self._settle(trainer, decision.settings, now=now)
         elif decision.action == "hold":
-            self._hold(decision)
+            self._hold(trainer, decision)
 
-    def _hold(self, decision: Decision) -> None:
+    def _hold(self, trainer: "pl.Trainer", decision: Decision) -> None:
         """Stay on the running config for the rest of this ``fit``: the next config would not pay for its
         start-up in the steps left. Not a settled result: a resumed run continues tuning from
         ``decision.settings``, and the cache only learns the best config if it beat the starting one."""
         self.phase, self._held, self._planned = HELD, decision.reason, decision.settings
         self._in_epoch = False
+        self.settled_step = trainer.global_step
         best = pick_best(self.trials, self.policy)
         if best.settings != self._start:
             self._remember(best.settings)
