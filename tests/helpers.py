@@ -41,3 +41,12 @@ def make_trainer(tmp_path, callbacks, max_epochs=4, **kwargs):
     )
     opts.update(kwargs)
     return pl.Trainer(**opts)
+
+
+def scalars(log_dir, tag):
+    """The values of one scalar tag, read back from the TensorBoard event files in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [e.value for e in events.Scalars(tag)]

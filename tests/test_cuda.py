@@ -15,7 +15,7 @@ from lightning_dltune import DataLoaderTuner
 from lightning_dltune.gpu import CudaEvent, GpuTimeline
 from lightning_dltune.synthetic import SyntheticDataset
 
-from helpers import make_trainer
+from helpers import make_trainer, scalars
 
 pytestmark = pytest.mark.gpu
 
@@ -107,14 +107,6 @@ class GpuModel(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def scalars(log_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return [e.value for e in events.Scalars(tag)]
 
 
 def test_a_busy_gpu_is_not_stalled_by_host_waits_and_nvml_sees_it_busy(tmp_path):
