@@ -257,8 +257,7 @@ class DataLoaderTuner(Callback):
         self._cached_entry: dict[str, Any] | None = None
         self._batch_bytes: float | None = None
         self._fresh_loader = False  # the running loader has not delivered a batch yet
-        self._held = ""  # why this run stays on its config (phase HELD)
-        self._planned: LoaderSettings | None = None  # the config a longer or resumed run would try next
+        self._held: Decision | None = None  # what stopped tuning for this run (phase HELD), with the next config
 
     @property
     def state_key(self) -> str:
@@ -274,7 +273,7 @@ class DataLoaderTuner(Callback):
         self._trainer = trainer
         self.timer = StepTimer()
         if self.phase == HELD:  # a new fit has its own length: judge again
-            self.phase, self._held, self._planned = TUNING, "", None
+            self.phase, self._held = TUNING, None
         self.budget = self._make_budget(max(1, int(trainer.num_devices)))
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader),
@@ -760,14 +759,14 @@ class DataLoaderTuner(Callback):
         """Stay on the running config for the rest of this ``fit``: the next config would not pay for its
         start-up in the steps left. Not a settled result: a resumed run continues tuning from
         ``decision.settings``, and the cache only learns the best config if it beat the starting one."""
-        self.phase, self._held, self._planned = HELD, decision.reason, decision.settings
+        self.phase, self._held = HELD, decision
         self._in_epoch = False
         self.settled_step = trainer.global_step
         best = pick_best(self.trials, self.policy)
         if best.settings != self._start:
             self._remember(best.settings)
         self.best_settings = best.settings.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, best.settings, self._budget(), self.policy)
+        self.diagnosis = diagnose(self.trials, best.settings, self._budget(), self.policy, held=decision)
         if self.verbose:
             rank_zero_info(
                 f"DataLoaderTuner stays on {self._current.describe() if self._current else '?'} for the rest of "
@@ -862,7 +861,7 @@ class DataLoaderTuner(Callback):
     # ------------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        target = self._planned or self._target  # a held run's plan is what a resumed run should try
+        target = self._held.settings if self._held else self._target  # a held run's plan: a resumed run tries it
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "phase": self.phase,
@@ -915,13 +914,9 @@ class DataLoaderTuner(Callback):
             best = pick_best(self.trials, self.policy).settings
             if self.phase != TUNING or self.best_settings is None:
                 self.best_settings = best.to_loader_kwargs()
-            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy)
-            if self.phase == HELD and self._planned is not None:
-                self.diagnosis += (
-                    f" (Tuning stopped for this run: {self._held}. A resumed or longer run continues with "
-                    f"{self._planned.describe()}.)"
-                )
-            elif self.phase == TUNING:
+            held = self._held if self.phase == HELD else None
+            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy, held=held)
+            if self.phase == TUNING:
                 self.diagnosis += " (tuning had not settled when training ended.)"
         self.report = build_report(
             trials=self.trials,

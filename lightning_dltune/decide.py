@@ -350,8 +350,25 @@ def _waited(stats: WindowStats) -> str:
     return f"training waited for data {stats.stall_frac:.1%} of the time"
 
 
-def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy = Policy()) -> str:
-    """One sentence that says what bounds training, for the summary and the report."""
+def diagnose(
+    trials: Sequence[Trial],
+    settled: LoaderSettings,
+    budget: Budget,
+    policy: Policy = Policy(),
+    held: Decision | None = None,
+) -> str:
+    """One sentence that says what bounds training, for the summary and the report. ``held``: the ``"hold"``
+    decision that stopped tuning for the rest of the run, if one did (said at the end)."""
+    text = _diagnose(trials, settled, budget, policy, held is not None)
+    if held is None:
+        return text
+    return (
+        f"{text} Tuning stopped for this run: {held.reason}; a longer or resumed run goes on to "
+        f"{held.settings.describe()}."
+    )
+
+
+def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
     usable = [t for t in trials if t.usable]
     if not usable:
         return "unknown: no training step was measured."
@@ -421,6 +438,11 @@ def diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, p
             f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
             f"({speedup:.1f}x the starting throughput); the model wants {est.needed_workers} workers but "
             f"`max_workers` is {budget.max_workers}: raise it if memory allows, or cut the storage latency."
+        )
+    if held:
+        return (
+            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with "
+            f"{settled.describe()} ({speedup:.1f}x the starting throughput)."
         )
     return (
         f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "

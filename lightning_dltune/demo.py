@@ -68,7 +68,7 @@ def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[
     log_dir = Path(logger.log_dir)
     plot = plot_run(log_dir, out / "dltune_demo.png")
     print("\n=== dltune demo result ===")
-    print(f"Settled settings: {tuner.best_settings}")
+    print(f"Chosen settings ({tuner.phase}): {tuner.best_settings}")
     print(f"Diagnosis: {tuner.diagnosis}")
     print(
         f"Throughput: {first:.0f} samples/s with num_workers=0 -> {last:.0f} samples/s in the last epoch: "

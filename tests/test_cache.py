@@ -69,6 +69,6 @@ def test_cache_can_be_disabled(tmp_path):
 def test_a_run_too_short_to_tune_does_not_teach_the_cache_its_starting_config(tmp_path):
     first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=1)
     assert first.phase == "held" and first.best_settings["num_workers"] == 0
-    assert "A resumed or longer run continues with workers=" in first.diagnosis
+    assert "a longer or resumed run goes on to workers=" in first.diagnosis
     second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=3)
     assert not second.cache_hit and second.best_settings["num_workers"] > 0
