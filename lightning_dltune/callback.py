@@ -664,10 +664,11 @@ class DataLoaderTuner(Callback):
         }
         if self.stall_spread is not None:
             metrics[STALL_SPREAD] = self.stall_spread
-        if gpu_stats is not None and gpu_stats.steps and gpu_stats.wall_s > 0:
-            metrics[GPU_STALL_FRAC] = gpu_stats.idle_s / gpu_stats.wall_s
-            metrics[GPU_IDLE_MS] = gpu_stats.idle_s / gpu_stats.steps * 1e3
-            metrics[H2D_MS] = gpu_stats.copy_s / gpu_stats.steps * 1e3
+        gpu_stall = gpu_stats.stall_frac if gpu_stats is not None else None
+        if gpu_stats is not None and gpu_stall is not None:
+            metrics[GPU_STALL_FRAC] = gpu_stall
+            metrics[GPU_IDLE_MS] = gpu_stats.mean_idle_s * 1e3
+            metrics[H2D_MS] = gpu_stats.mean_copy_s * 1e3
         if self._nvml_metrics:
             metrics[GPU_UTIL_PCT] = self._nvml_metrics["gpu_util_pct"]
             metrics[GPU_MEM_PCT] = self._nvml_metrics["gpu_mem_pct"]
@@ -759,20 +760,12 @@ class DataLoaderTuner(Callback):
         """Stay on the running config for the rest of this ``fit``: the next config would not pay for its
         start-up in the steps left. Not a settled result: a resumed run continues tuning from
         ``decision.settings``, and the cache only learns the best config if it beat the starting one."""
-        self.phase, self._held = HELD, decision
-        self._in_epoch = False
-        self.settled_step = trainer.global_step
-        best = pick_best(self.trials, self.policy)
-        if best.settings != self._start:
-            self._remember(best.settings)
-        self.best_settings = best.settings.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, best.settings, self._budget(), self.policy, held=decision)
-        if self.verbose:
-            rank_zero_info(
-                f"DataLoaderTuner stays on {self._current.describe() if self._current else '?'} for the rest of "
-                f"this run: {decision.reason}\n{summary_table(self.trials, best.settings)}\nDiagnosis: "
-                f"{self.diagnosis}"
-            )
+        best = pick_best(self.trials, self.policy).settings
+        self._stop_tuning(trainer, HELD, best, held=decision)
+        if best != self._start:
+            self._remember(best)
+        current = self._current.describe() if self._current else "?"
+        self._summarize(f"stays on {current} for the rest of this run: {decision.reason}", best)
 
     def _verify_cached(self, trial: Trial) -> Decision | None:
         """The first window of a cache hit: keep the cached settings if they still hold."""
@@ -832,18 +825,26 @@ class DataLoaderTuner(Callback):
         )
 
     def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False, apply: bool = True) -> None:
-        self.phase = SETTLED
-        self._in_epoch = False
-        self.settled_step = trainer.global_step
-        self.best_settings = settings.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy)
+        self._stop_tuning(trainer, SETTLED, settings)
         if apply:
             self._apply(trainer, settings, now=now)
         self._remember(settings)
+        self._summarize(f"settled on {settings.describe()}", settings)
+
+    def _stop_tuning(
+        self, trainer: "pl.Trainer", phase: str, settings: LoaderSettings, held: Decision | None = None
+    ) -> None:
+        """End tuning in ``phase`` (settled or held) with ``settings`` as the result, and diagnose the run."""
+        self.phase, self._held = phase, held
+        self._in_epoch = False
+        self.settled_step = trainer.global_step
+        self.best_settings = settings.to_loader_kwargs()
+        self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy, held=held)
+
+    def _summarize(self, headline: str, settings: LoaderSettings) -> None:
         if self.verbose:
             rank_zero_info(
-                "DataLoaderTuner settled on "
-                f"{settings.describe()}\n{summary_table(self.trials, settings)}\nDiagnosis: {self.diagnosis}"
+                f"DataLoaderTuner {headline}\n{summary_table(self.trials, settings)}\nDiagnosis: {self.diagnosis}"
             )
 
     @rank_zero_only
@@ -914,8 +915,7 @@ class DataLoaderTuner(Callback):
             best = pick_best(self.trials, self.policy).settings
             if self.phase != TUNING or self.best_settings is None:
                 self.best_settings = best.to_loader_kwargs()
-            held = self._held if self.phase == HELD else None
-            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy, held=held)
+            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy, held=self._held)
             if self.phase == TUNING:
                 self.diagnosis += " (tuning had not settled when training ended.)"
         self.report = build_report(

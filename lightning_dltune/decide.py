@@ -227,10 +227,9 @@ def decide(
     def settle(reason: str, est: Estimate | None = None) -> Decision:
         # before settling, see whether pinned memory would shorten the copies the GPU waits for
         pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
-        if pin is not None and best.stats.gpu_steps:
-            gain = 0.5 * best.stats.gpu_copy_s / best.stats.gpu_steps  # pinned copies: about twice as fast
-            if _wasted(trials, pin.settings, gain, remaining_steps, policy) is None:
-                return pin
+        gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
+        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy) is None:
+            return pin
         return Decision("settle", best.settings, reason, est)
 
     def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
@@ -247,11 +246,9 @@ def decide(
     if earlier:
         prev = min(earlier, key=lambda t: t.sec_per_sample)
         if last.sec_per_sample > prev.sec_per_sample * (1.0 - policy.min_gain):
-            what = (
-                "pinned memory did not pay"
-                if last.settings.pin_memory != prev.settings.pin_memory
-                else ("more workers stopped paying")
-            )
+            what = "more workers stopped paying"
+            if last.settings.pin_memory != prev.settings.pin_memory:
+                what = "pinned memory did not pay"
             return settle(
                 f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than "
                 f"{prev.settings.describe()}: {what}"
@@ -339,7 +336,7 @@ def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Pol
     return Decision(
         "try",
         cand,
-        f"host-to-device copies take {copy:.0%} of the GPU's time ({s.gpu_copy_s / s.gpu_steps * 1e3:.1f} ms "
+        f"host-to-device copies take {copy:.0%} of the GPU's time ({s.gpu.mean_copy_s * 1e3:.1f} ms "
         "per step): pinned memory",
     )
 
@@ -392,8 +389,8 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
             pinned = "pinned memory was not tried"
         return (
             f"transfer-bound: host-to-device copies take {copy:.0%} of the GPU's time "
-            f"({fs.gpu_copy_s / fs.gpu_steps * 1e3:.1f} ms per step for {fs.batch_bytes / 2**20:.1f} MiB batches), "
-            f"more than the wait for the loader ({fs.gpu_idle_s / fs.gpu_steps * 1e3:.1f} ms); {pinned}. Send "
+            f"({fs.gpu.mean_copy_s * 1e3:.1f} ms per step for {fs.batch_bytes / 2**20:.1f} MiB batches), "
+            f"more than the wait for the loader ({fs.gpu.mean_idle_s * 1e3:.1f} ms); {pinned}. Send "
             "less: uint8 instead of float32 images, decode or augment on the GPU, or drop unused fields."
         )
     if start.stats.effective_stall_frac <= th:

@@ -88,6 +88,29 @@ class GpuStats:
     def wall_s(self) -> float:
         return self.idle_s + self.copy_s + self.other_s + self.step_s
 
+    @property
+    def stall_frac(self) -> float | None:
+        """Fraction of the GPU's time spent idle waiting for the loader (``None`` without a step)."""
+        return self.idle_s / self.wall_s if self.steps and self.wall_s > 0 else None
+
+    @property
+    def copy_frac(self) -> float | None:
+        """Fraction of the GPU's time spent on host-to-device copies (``None`` without a step)."""
+        return self.copy_s / self.wall_s if self.steps and self.wall_s > 0 else None
+
+    @property
+    def mean_idle_s(self) -> float:
+        return self.idle_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_copy_s(self) -> float:
+        return self.copy_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_busy_s(self) -> float:
+        """What the GPU spends per step when it is fed (copy and step)."""
+        return (self.copy_s + self.step_s) / self.steps if self.steps else 0.0
+
 
 @dataclass
 class _Sample:

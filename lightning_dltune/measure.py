@@ -64,18 +64,19 @@ class WindowStats:
         return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
-    def gpu_wall_s(self) -> float:
-        return self.gpu_idle_s + self.gpu_copy_s + self.gpu_other_s + self.gpu_step_s
+    def gpu(self) -> GpuStats:
+        """The ``gpu_*`` fields as :class:`~lightning_dltune.gpu.GpuStats` (no steps without a GPU timeline)."""
+        return GpuStats(self.gpu_steps, self.gpu_idle_s, self.gpu_copy_s, self.gpu_other_s, self.gpu_step_s)
 
     @property
     def gpu_stall_frac(self) -> float | None:
         """Fraction of the GPU's time spent idle waiting for the loader (``None`` without a GPU timeline)."""
-        return self.gpu_idle_s / self.gpu_wall_s if self.gpu_steps and self.gpu_wall_s > 0 else None
+        return self.gpu.stall_frac
 
     @property
     def copy_frac(self) -> float | None:
         """Fraction of the GPU's time spent on host-to-device copies (``None`` without a GPU timeline)."""
-        return self.gpu_copy_s / self.gpu_wall_s if self.gpu_steps and self.gpu_wall_s > 0 else None
+        return self.gpu.copy_frac
 
     @property
     def effective_stall_frac(self) -> float:
@@ -86,7 +87,7 @@ class WindowStats:
     @property
     def mean_gpu_busy_s(self) -> float:
         """What the GPU spends per step when it is fed (copy and step), 0.0 without a GPU timeline."""
-        return (self.gpu_copy_s + self.gpu_step_s) / self.gpu_steps if self.gpu_steps else 0.0
+        return self.gpu.mean_busy_s
 
     @property
     def samples_per_s(self) -> float:

@@ -44,7 +44,7 @@ def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> st
             gpu_stall = s.gpu_stall_frac
             row += (
                 "-" if gpu_stall is None else f"{gpu_stall:.1%}",
-                f"{s.gpu_copy_s / s.gpu_steps * 1e3:.2f}" if s.gpu_steps else "-",
+                f"{s.gpu.mean_copy_s * 1e3:.2f}" if s.gpu_steps else "-",
             )
         rows.append((*row, (t.failed and f"FAILED: {t.failed}") or t.decision))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
