@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import lightning.pytorch as pl
 import pytest
@@ -82,8 +83,20 @@ def test_plain_dataloader_is_rebuilt_and_tensorboard_gets_the_scalars(tmp_path):
     workers = [e.value for e in events.Scalars("dltune/num_workers")]
     assert workers[0] == 0 and max(workers) >= 3 * CORES
     assert set(workers) <= {float(t.settings.num_workers) for t in tuner.trials}  # logged = what ran
-    stall = [e.value for e in events.Scalars("dltune/stall_frac")]
-    assert stall[0] > 0.5 and stall[-1] < stall[0] / 2
+    # Judge phases, not single points: a window holding an epoch start (where the pipeline refills) stalls on any
+    # config. The median window on the settled config against the median window at the starting 0 workers.
+    def by_phase(tag):
+        values = {e.step: e.value for e in events.Scalars(tag)}
+        start = [v for step, v in values.items() if workers_at[step] == 0]
+        settled = [v for step, v in values.items() if workers_at[step] == tuner.best_settings["num_workers"]]
+        assert start and settled, (tag, values, workers_at)
+        return statistics.median(start), statistics.median(settled)
+
+    workers_at = {e.step: e.value for e in events.Scalars("dltune/num_workers")}
+    stall_start, stall_settled = by_phase("dltune/stall_frac")
+    rate_start, rate_settled = by_phase("dltune/samples_per_s")
+    assert stall_start > 0.5 and stall_settled < stall_start, (stall_start, stall_settled)
+    assert rate_settled > 4 * rate_start, (rate_start, rate_settled)  # about 14x measured on 2 idle cores
     assert (tmp_path / "tb" / "version_0" / "dltune_report.json").exists()
 
 
