@@ -28,8 +28,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune._lightning import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
 from lightning_dltune.budget import cpu_budget
+from lightning_dltune.loader import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
 from lightning_dltune.measure import StepTimer
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
 
@@ -158,7 +158,7 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
 
 def hook_overhead_us(n: int = 20000) -> float:
     """Host cost of the per-step measurement (timer calls + batch-size extraction), in microseconds."""
-    from lightning_dltune.callback import _batch_size
+    from lightning_dltune.probe import batch_size as batch_size_of
 
     timer = StepTimer()
     batch = (torch.zeros(16, 32), torch.zeros(16, dtype=torch.long), torch.arange(16))
@@ -168,7 +168,7 @@ def hook_overhead_us(n: int = 20000) -> float:
         timer.fetch_started()
         timer.fetch_ended()
         timer.step_started()
-        timer.step_ended(_batch_size(batch))
+        timer.step_ended(batch_size_of(batch))
     return (time.perf_counter() - t0) / n * 1e6
 
 

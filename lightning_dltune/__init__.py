@@ -7,6 +7,7 @@ from lightning_dltune.gpu import GpuStats, GpuTimeline
 from lightning_dltune.measure import StepTimer, WindowStats
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.state import Phase, TuningState
 
 __version__ = "0.1.0"
 
@@ -18,10 +19,12 @@ __all__ = [
     "GpuStats",
     "GpuTimeline",
     "LoaderSettings",
+    "Phase",
     "Policy",
     "StepTimer",
     "Trial",
     "TunableDataModuleMixin",
+    "TuningState",
     "WindowStats",
     "__version__",
     "decide",

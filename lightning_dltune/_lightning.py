@@ -22,13 +22,19 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop.epoch_loop", "_on_before_fetch"),
     ("fit_loop.epoch_loop", "_on_after_fetch"),
 )
-# PyTorch DataLoader internals used for in-epoch switching and worker-death recovery.
-TORCH_PRIVATE: tuple[str, ...] = (
-    "_iterator",
-    "_workers",
-    "_shutdown_workers",
-    "_worker_pids_set",
-    "_remove_worker_pids",
+# Private parts of the train CombinedLoader: (owner, attribute), the owner being what ``iter(CombinedLoader)`` makes.
+COMBINED_LOADER_PRIVATE: tuple[tuple[str, str], ...] = (
+    ("CombinedLoader", "_iterator"),
+    ("_ModeIterator", "iterators"),
+    ("_ModeIterator", "iterables"),
+)
+# PyTorch DataLoader internals used for in-epoch switching and worker-death recovery: (owner, attribute).
+TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
+    ("DataLoader", "_iterator"),
+    ("_MultiProcessingDataLoaderIter", "_workers"),
+    ("_MultiProcessingDataLoaderIter", "_shutdown_workers"),
+    ("_MultiProcessingDataLoaderIter", "_worker_pids_set"),
+    ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
 
 _SAVED_KWARGS = "__pl_saved_kwargs"
@@ -166,10 +172,26 @@ def recording() -> ExitStack:
     return stack
 
 
-def train_mode_iterator(trainer: "pl.Trainer") -> Any:
-    """The iterator inside the train ``CombinedLoader`` (``.iterables``/``.iterators``), or ``None``."""
+def _mode_iterator(trainer: "pl.Trainer") -> Any:
+    """The ``_ModeIterator`` inside the train ``CombinedLoader`` (``.iterables``/``.iterators``), or ``None``."""
     combined = trainer.fit_loop._combined_loader
     return None if combined is None else combined._iterator
+
+
+def train_iterator(trainer: "pl.Trainer") -> Any:
+    """The iterator the fit loop pulls train batches from (``None`` before ``iter()`` or with several loaders)."""
+    mode_iter = _mode_iterator(trainer)
+    if mode_iter is None or len(mode_iter.iterators) != 1:
+        return None
+    return mode_iter.iterators[0]
+
+
+def wrap_train_iterator(trainer: "pl.Trainer", wrap: Callable[[Any, Iterator[Any]], Iterator[Any]]) -> None:
+    """Replace the train iterator by ``wrap(loader, iterator)``: the loop pulls its next batch from the result."""
+    mode_iter = _mode_iterator(trainer)
+    if mode_iter is None or len(mode_iter.iterators) != 1:
+        return
+    mode_iter.iterators[0] = wrap(mode_iter.iterables[0], mode_iter.iterators[0])
 
 
 def replace_train_loader(trainer: "pl.Trainer", loader: DataLoader) -> None:
@@ -225,9 +247,6 @@ def worker_died(iterator: Iterator[Any], wait_s: float = 2.0) -> bool:
 
 def train_worker_pids(trainer: "pl.Trainer") -> list[int]:
     """PIDs of the worker processes of the running train loader iterator (empty without workers)."""
-    mode_iter = train_mode_iterator(trainer)
-    if mode_iter is None or not mode_iter.iterators:
-        return []
-    it = mode_iter.iterators[0]
+    it = train_iterator(trainer)
     it = getattr(it, "inner", it)  # unwrap lightning_dltune's GuardedIterator
     return [w.pid for w in getattr(it, "_workers", None) or [] if w.pid is not None]

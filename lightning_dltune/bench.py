@@ -18,9 +18,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune.budget import cpu_budget, default_max_workers
-from lightning_dltune.callback import _batch_size
+from lightning_dltune.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune.probe import batch_size as batch_size_of
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
 
@@ -127,7 +127,7 @@ def measure(loader: DataLoader, batches: int, warmup: int, repeats: int) -> tupl
             first = next(it)
             if r == 0:
                 startup = time.perf_counter() - t0
-                batch_samples = _batch_size(first)
+                batch_samples = batch_size_of(first)
             for _ in range(warmup):
                 next(it)
             t1 = time.perf_counter()

@@ -5,10 +5,11 @@ tests can point it at a fake ``/proc`` and ``/sys/fs/cgroup`` tree."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_dltune.decide import Budget
+from lightning_dltune.settings import LoaderSettings
 
 
 @dataclass(frozen=True)
@@ -215,3 +216,35 @@ def shm_free_bytes(root: str | os.PathLike[str] = "/") -> float | None:
     except OSError:
         return None
     return float(st.f_bavail * st.f_frsize)
+
+
+def tuner_budget(
+    local_world_size: int, max_workers: int | None, max_prefetch: int, max_memory: float | None, root: str = "/"
+) -> Budget:
+    """The whole budget of one of ``local_world_size`` training processes: CPUs, worker ceiling, memory
+    (``max_memory``: a fraction of what the process could still take, or bytes when > 1) and free /dev/shm."""
+    budget = make_budget(cpu_budget(root, local_world_size=local_world_size), max_workers, max_prefetch)
+    if max_memory is not None and max_memory > 1:
+        memory, mem_bound = float(max_memory) / local_world_size, f"max_memory={max_memory:.0f} bytes"
+    else:
+        mem = memory_budget(root, fraction=float(max_memory or 0.5), local_world_size=local_world_size)
+        memory, mem_bound = mem.bytes, mem.bound_by
+    return replace(
+        budget, memory_bytes=memory, shm_bytes=shm_free_bytes(root), bound_by=f"{budget.bound_by}; memory: {mem_bound}"
+    )
+
+
+def shm_warning(settings: LoaderSettings, batch_bytes: float, budget: Budget, fraction: float) -> str | None:
+    """What to tell the user when ``settings``' batches in flight may not fit the free /dev/shm (else ``None``)."""
+    shm = budget.shm_bytes
+    if shm is None or batch_bytes <= 0 or settings.num_workers == 0:
+        return None
+    in_flight = batch_bytes * settings.batches_in_flight
+    if in_flight <= fraction * shm:
+        return None
+    return (
+        f"DataLoaderTuner: {settings.describe()} keeps about {in_flight / 2**20:.0f} MiB of batches in flight but "
+        f"/dev/shm has {shm / 2**20:.0f} MiB free: workers may die with a bus error. Give the container more "
+        "shared memory (docker run --shm-size=8g, or --ipc=host), or call "
+        "torch.multiprocessing.set_sharing_strategy('file_system')."
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dltune._warn import warn_once
+from lightning_dltune.decide import Trial
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
 
@@ -96,3 +97,67 @@ class TuningCache:
             write_json_atomic(self.path, {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries})
         except OSError as ex:
             warn_once(f"cache-write-{self.path}", f"DataLoaderTuner: cannot write the cache {self.path} ({ex}).")
+
+
+def entry_extra(trial: Trial | None) -> dict[str, Any]:
+    """What an entry stores beside the settings: the measured throughput and stall of the settled config."""
+    if trial is None:
+        return {}
+    return {"samples_per_s": trial.stats.samples_per_s, "stall_frac": trial.stats.effective_stall_frac}
+
+
+def key_fields(loader: Any, cpus: float, accelerator: str, local_world_size: int) -> dict[str, Any]:
+    """The key of ``loader``'s entry: what must be the same for its settled settings to apply."""
+    import psutil
+
+    from lightning_dltune import __version__
+
+    dataset = loader.dataset
+    return {
+        "cpus": cpus,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30),
+        "accelerator": accelerator,
+        "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "dataset_len": len(dataset) if hasattr(dataset, "__len__") else None,
+        "batch_size": getattr(loader.batch_sampler, "batch_size", None) or loader.batch_size,
+        "local_world_size": local_world_size,
+        "version": __version__,
+    }
+
+
+def accelerator_name(device: Any) -> str:
+    """``cpu``, or ``cuda:<device name>``: part of the key, since a config tuned for one GPU is not another's."""
+    if getattr(device, "type", None) != "cuda":
+        return str(getattr(device, "type", device))
+    import torch
+
+    return "cuda:" + torch.cuda.get_device_name(device)
+
+
+class RunCache:
+    """One run's use of the cache: look the first loader up, remember the result.
+
+    Args:
+        option: the tuner's ``cache`` argument (``None``: the default path, ``False``: off, else a path).
+    """
+
+    def __init__(self, option: str | os.PathLike[str] | bool | None) -> None:
+        self.option = None if option is True else option
+        self.fields: dict[str, Any] | None = None
+
+    @property
+    def path(self) -> Path:
+        return default_cache_path() if self.option is None else Path(str(self.option))
+
+    def lookup(
+        self, loader: Any, cpus: float, device: Any, local_world_size: int
+    ) -> tuple[LoaderSettings, dict[str, Any]] | None:
+        if self.option is False:
+            return None
+        self.fields = key_fields(loader, cpus, accelerator_name(device), local_world_size)
+        return TuningCache(self.path).get(self.fields)
+
+    def remember(self, settings: LoaderSettings | None, trial: Trial | None) -> None:
+        if self.option is False or self.fields is None or settings is None:
+            return
+        TuningCache(self.path).put(self.fields, settings, entry_extra(trial))

@@ -1,63 +1,35 @@
-"""``DataLoaderTuner``: the Lightning callback that wires the hooks to the timer, the decision and the logs."""
+"""``DataLoaderTuner``: the Lightning callback. Only glue: its hooks forward to the parts that own the work.
+
+* :class:`~lightning_dltune.probe.Probe` measures (the step timer, the GPU timeline, CPU and worker memory);
+* :class:`~lightning_dltune.state.TuningState` decides and remembers (phase, trials, settings, result);
+* :class:`~lightning_dltune.agree.Agreement` makes every decision the same on every rank;
+* :class:`~lightning_dltune.loader.LoaderSwitcher` builds, switches and recovers the train loader.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from array import array
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dltune import _lightning, gpu
 from lightning_dltune._warn import warn_once
-from lightning_dltune.budget import cpu_budget, make_budget, memory_budget, shm_free_bytes
-from lightning_dltune.cache import TuningCache, default_cache_path
-from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best
-from lightning_dltune.measure import StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.mixin import TunableDataModuleMixin
-from lightning_dltune.report import (
-    REPORT_NAME,
-    build_report,
-    summary_table,
-    trial_from_dict,
-    trial_to_dict,
-    write_json_atomic,
-)
-from lightning_dltune.settings import LoaderSettings, check_num_workers
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
-
-PREFIX = "dltune/"
-STALL_FRAC = PREFIX + "stall_frac"
-DATA_WAIT_MS = PREFIX + "data_wait_ms"
-STEP_MS = PREFIX + "step_ms"
-OTHER_MS = PREFIX + "other_ms"
-SAMPLES_PER_S = PREFIX + "samples_per_s"
-NUM_WORKERS = PREFIX + "num_workers"
-PREFETCH_FACTOR = PREFIX + "prefetch_factor"
-GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
-GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
-GPU_STALL_FRAC = PREFIX + "gpu_stall_frac"
-GPU_IDLE_MS = PREFIX + "gpu_idle_ms"
-H2D_MS = PREFIX + "h2d_ms"
-STALL_SPREAD = PREFIX + "stall_frac_spread"
-_STATE_VERSION = 1
-_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
-
-TUNING, SETTLED, OBSERVING, DISABLED = "tuning", "settled", "observing", "disabled"
-HELD = "held"  # tuning stopped for the rest of this fit: switching would not pay in the steps left
-MODES = ("auto", "epoch", "in_epoch")
-_MAX_RECOVERIES = 3
-_LONG_EPOCH_S = 60.0
-_OBVIOUS_STALL = 0.5
-_CACHE_TOLERANCE = 0.8  # cached settings hold while they deliver 80% of the cached throughput
+from lightning_dltune.agree import Agreement
+from lightning_dltune.budget import shm_warning, tuner_budget
+from lightning_dltune.cache import RunCache
+from lightning_dltune.decide import Budget, Policy
+from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.probe import Probe
+from lightning_dltune.report import build_report, report_path, summary_table, window_metrics, write_json_atomic
+from lightning_dltune.settings import LoaderSettings, check_choice, check_float, check_int, check_num_workers
+from lightning_dltune.state import MODES, Mode, Phase, TuningState, WindowPlan
 
 
 class DataLoaderTuner(Callback):
@@ -171,831 +143,252 @@ class DataLoaderTuner(Callback):
         min_steps: int = 8,
         observe_only: bool = False,
         tune_iterable: bool = False,
-        mode: str = "auto",
+        mode: Mode = "auto",
         window_steps: int = 20,
         log_gpu: bool = True,
         cache: str | Path | bool | None = None,
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
     ) -> None:
-        if isinstance(stall_threshold, bool) or not isinstance(stall_threshold, (int, float)):
-            raise TypeError(f"`stall_threshold` must be a float in (0, 1), got {stall_threshold!r}.")
-        if not 0.0 < stall_threshold < 1.0:
-            raise ValueError(
-                f"`stall_threshold` must be in (0, 1), got {stall_threshold}. Use 0.05 to accept a 5% stall."
-            )
-        if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1:
-            raise ValueError(
-                f"`max_trials` must be an int >= 1, got {max_trials!r}. Use 1 to measure without retuning."
-            )
-        if max_workers is not None:
-            check_num_workers(max_workers, "max_workers")
-        if isinstance(max_prefetch, bool) or not isinstance(max_prefetch, int) or max_prefetch < 1:
-            raise ValueError(f"`max_prefetch` must be an int >= 1, got {max_prefetch!r}. PyTorch's default is 2.")
-        if max_memory is not None and (
-            isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or max_memory <= 0
-        ):
-            raise ValueError(
-                f"`max_memory` must be a fraction in (0, 1] or a number of bytes > 1, got {max_memory!r}. "
-                "Use 0.5 for half of the available memory."
-            )
-        if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 1:
-            raise ValueError(f"`min_steps` must be an int >= 1, got {min_steps!r}.")
-        if mode not in MODES:
-            raise ValueError(
-                f"`mode` must be one of {MODES}, got {mode!r}. Use 'auto' to switch inside long epochs only."
-            )
-        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 2:
-            raise ValueError(f"`window_steps` must be an int >= 2, got {window_steps!r}. The default is 20.")
-        if report_path is True:
-            report_path = None
+        _check_arguments(
+            stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps
+        )
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
-        self.max_workers = max_workers
-        self.max_prefetch = max_prefetch
-        self.max_memory = max_memory
-        self.observe_only = observe_only
-        self.tune_iterable = tune_iterable
-        self.mode = mode
-        self.window_steps = max(window_steps, min_steps + 1)
-        self.log_gpu = log_gpu
-        if cache is True:
-            cache = None
-        self.cache = cache
-        self.cache_hit = False
-        self.stall_spread: float | None = None
-        self.agreed_budget: Budget | None = None
-        self.report_path = report_path
+        self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
+        self.observe_only, self.tune_iterable, self.mode, self.log_gpu = observe_only, tune_iterable, mode, log_gpu
+        self.cache = None if cache is True else cache
+        self._cache = RunCache(self.cache)
+        self.report_path = None if report_path is True else report_path
         self.verbose = verbose
-
-        self.best_settings: dict[str, Any] | None = None
-        self.settled_step: int | None = None
-        self.trials: list[Trial] = []
-        self.diagnosis: str = ""
+        self.state = TuningState(self.policy, observe_only)
+        self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
+        self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
+        self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, self._lookup_cache, self._fail)
+        self.agreement = Agreement()
+        self.budget: Budget | None = None
         self.report: dict[str, Any] | None = None
         self.report_file: Path | None = None
-        self.budget: Budget | None = None
-        self.timer = StepTimer()
-        self.phase = OBSERVING if observe_only else TUNING
-        self._start: LoaderSettings | None = None
-        self._current: LoaderSettings | None = None
-        self._target: LoaderSettings | None = None
-        self._window_cpu0: tuple[float, float] | None = None
-        self._restores: list[Any] = []
-        self._nvml: Any = None
-        self._gpu: gpu.GpuTimeline | None = None
-        self._nvml_metrics: dict[str, float] = {}
         self._steps_since_log = 0
-        self._trainer: pl.Trainer | None = None
-        self._resumable = False  # the train loader has a ResumableBatchSampler
-        self._in_epoch = False  # windows inside the epoch are active
-        self._guard_needed = False
-        self._pending: LoaderSettings | None = None
-        self._recoveries = 0
-        self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
-        self._cache_fields: dict[str, Any] | None = None
-        self._cached_entry: dict[str, Any] | None = None
-        self._batch_bytes: float | None = None
-        self._fresh_loader = False  # the running loader has not delivered a batch yet
-        self._held: Decision | None = None  # what stopped tuning for this run (phase HELD), with the next config
+
+    # --- results, read from the parts ---------------------------------------------------------------------------
+    phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.state.Phase`.")
+    trials = property(lambda self: self.state.trials, doc="Every measured trial.")
+    best_settings = property(lambda self: self.state.best_settings, doc="The result as ``DataLoader`` kwargs.")
+    settled_step = property(lambda self: self.state.settled_step, doc="The step tuning ended at.")
+    diagnosis = property(lambda self: self.state.diagnosis, doc="What bounds training, in a sentence.")
+    cache_hit = property(lambda self: self.state.cache_hit, doc="Whether this run started from the cache.")
+    agreed_budget = property(lambda self: self.agreement.budget, doc="The tightest node's budget (DDP).")
+    stall_spread = property(lambda self: self.agreement.stall_spread, doc="Max - min stall across ranks.")
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=self.max_workers)
 
-    # ------------------------------------------------------------------------------------------------------
-    # set-up and tear-down
-    # ------------------------------------------------------------------------------------------------------
+    # --- set-up and tear-down -----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer = trainer
-        self.timer = StepTimer()
-        if self.phase == HELD:  # a new fit has its own length: judge again
-            self.phase, self._held = TUNING, None
-        self.budget = self._make_budget(max(1, int(trainer.num_devices)))
-        self._restores = [
-            _lightning.install_loader_transform(trainer, self._on_loader),
-            _lightning.install_fetch_hooks(trainer, self._before_fetch, self._after_fetch),
-        ]
-        self._gpu = gpu.timeline_for(trainer.strategy.root_device)
-        if self.log_gpu and trainer.strategy.root_device.type == "cuda":
-            from lightning_dltune.nvml import open_sampler
-
-            index = trainer.strategy.root_device.index or 0
-            self._nvml, why = open_sampler(index)
-            if self._nvml is None:
-                warn_once("nvml", f"GPU utilization is not logged: {why}.")
+        self.state.begin_fit()
+        self.budget = tuner_budget(
+            max(1, int(trainer.num_devices)), self.max_workers, self.max_prefetch, self.max_memory
+        )
+        self.agreement = Agreement(trainer.strategy)
+        self.probe.start(trainer.strategy.root_device, self.log_gpu)
+        self.switcher.install(trainer)
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        for restore in reversed(self._restores):
-            restore()
-        self._restores = []
-        self._gpu = None
-        if self._nvml is not None:
-            if self._nvml.error:
-                warn_once("nvml-error", f"GPU sampling stopped early: NVML said {self._nvml.error}.")
-            self._nvml.stop()
-            self._nvml = None
+        if stage == "fit":
+            self._release()
 
-    # ------------------------------------------------------------------------------------------------------
-    # the train loader
-    # ------------------------------------------------------------------------------------------------------
-    def _on_loader(self, loader: Any) -> Any:
-        """Every train-loader request of ``fit`` passes here (see ``_lightning.install_loader_transform``)."""
-        self.timer.loader_requested()
-        if not isinstance(loader, DataLoader):
-            self._disable(
-                "unsupported-loader",
-                f"the train loader is a {type(loader).__name__}, not one `torch.utils.data.DataLoader`; "
-                "it is measured but not retuned",
-            )
-            return loader
-        current = LoaderSettings.from_loader(loader)
-        if self._start is None:
-            self._start = current
-            self._lookup_cache(loader)
-        if isinstance(loader.dataset, IterableDataset) and self.phase == TUNING and not self.tune_iterable:
-            self._disable(
-                "iterable",
-                "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
-                "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
-                "with `DataLoaderTuner(tune_iterable=True)`",
-            )
-        gen = loader.generator
-        self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
-        overrides: dict[str, Any] = {}
-        target = self._target
-        if target is not None and target != current and self.phase in (TUNING, SETTLED, HELD):
-            overrides.update(target.to_loader_kwargs())
-        resumable = self._resumable_overrides(loader)
-        overrides.update(resumable)
-        if overrides:
-            try:
-                loader = _lightning.rebuild_dataloader(loader, overrides)
-                current = LoaderSettings.from_loader(loader)
-            except _lightning.NotRebuildableError as ex:
-                self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
-        self._resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
-        self._fresh_loader = True
-        if self._resumable and self._restored_epoch is not None:
-            self._resume_epoch(loader.batch_sampler)
-        self._current = current
-        return loader
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._release()  # Lightning calls no teardown hook after an exception
 
-    def _resume_epoch(self, sampler: ResumableBatchSampler) -> None:
-        order, batch = self._restored_epoch or ([], 0)
-        self._restored_epoch = None
-        expected = len(sampler) * sampler.batch_size if sampler.drop_last else None
-        if (expected is not None and len(order) != expected) or -(-len(order) // sampler.batch_size) != len(sampler):
-            warn_once(
-                "resume-order",
-                "DataLoaderTuner: the checkpoint's epoch order does not fit this loader; "
-                "the epoch restarts with a new order.",
-            )
-            return
-        sampler._order = array("q", order)
-        sampler.resume_at(batch)
+    def _release(self) -> None:
+        """Undo :meth:`setup`: the loop's hooks restored, GPU sampling stopped. Safe to call twice."""
+        self.switcher.restore()
+        self.probe.stop()
 
+    # --- the cache ----------------------------------------------------------------------------------------------
     def _lookup_cache(self, loader: DataLoader) -> None:
-        if self.cache is False or self.phase != TUNING or self._target is not None or self.trials:
+        trainer = self.switcher.trainer
+        if not self.state.tuning or self.state.target is not None or self.state.trials or trainer is None:
             return
-        self._cache_fields = self._cache_key_fields(loader)
-        hit = TuningCache(self._cache_path()).get(self._cache_fields)
-        if hit is not None:
-            cached, self._cached_entry = hit
-            self.cache_hit = True
-            self._target = cached
-            rank_zero_info(
-                f"DataLoaderTuner: starting from cached settings {cached.describe()} ({self._cache_path()})."
-            )
+        assert self.budget is not None
+        hit = self._cache.lookup(loader, self.budget.cpus, trainer.strategy.root_device, int(trainer.num_devices))
+        if hit is not None and self.state.start_from_cache(*hit):
+            rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit[0].describe()} ({self._cache.path}).")
 
-    def _cache_path(self) -> Path:
-        return default_cache_path() if self.cache is None else Path(str(self.cache))
+    @rank_zero_only
+    def _remember(self) -> None:
+        settings = self.state.cacheable()
+        self._cache.remember(settings, self.state.final_trial(settings) if settings else None)
 
-    def _cache_key_fields(self, loader: DataLoader) -> dict[str, Any]:
-        import psutil
-
-        from lightning_dltune import __version__
-
-        trainer = self._trainer
-        dataset = loader.dataset
-        batch_sampler = loader.batch_sampler
-        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        accelerator = device.type
-        if device.type == "cuda":
-            accelerator += ":" + torch.cuda.get_device_name(device)
-        budget = self._budget()
-        return {
-            "cpus": budget.cpus,
-            "memory_gib": round(psutil.virtual_memory().total / 2**30),
-            "accelerator": accelerator,
-            "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
-            "dataset_len": len(dataset) if hasattr(dataset, "__len__") else None,
-            "batch_size": getattr(batch_sampler, "batch_size", None) or loader.batch_size,
-            "local_world_size": int(trainer.num_devices) if trainer is not None else 1,
-            "version": __version__,
-        }
-
-    def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
-        """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
-        if self.mode == "epoch" or self.phase not in (TUNING, SETTLED, HELD):
-            return {}
-        bs = loader.batch_sampler
-        if isinstance(bs, ResumableBatchSampler):
-            return {}
-        if isinstance(loader.dataset, IterableDataset) or type(bs) is not BatchSampler:
-            if self.mode == "in_epoch":
-                warn_once(
-                    "no-in-epoch",
-                    "DataLoaderTuner: in-epoch switching needs a map-style dataset with a plain BatchSampler "
-                    f"(this loader has {type(bs).__name__}); switching at epoch boundaries instead, where "
-                    "no sample can be lost or repeated.",
-                )
-            return {}
-        return {
-            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last),
-            "batch_size": 1,
-            # no `shuffle`: Lightning then reads it from batch_sampler.sampler when it injects its
-            # DistributedSampler (an explicit False would turn shuffling off under DDP)
-            "shuffle": _lightning.REMOVE,
-            "sampler": None,
-            "drop_last": False,
-        }
-
-    def _disable(self, key: str, message: str) -> None:
-        if self.phase == TUNING:
-            self.phase = DISABLED
-        warn_once(key, f"DataLoaderTuner: {message}.")
-
-    def _set_target(self, settings: LoaderSettings) -> None:
-        """The settings the next loader is built with, mirrored onto a mixin DataModule (and its state)."""
-        self._target = settings
-        datamodule = getattr(self._trainer, "datamodule", None)
-        if isinstance(datamodule, TunableDataModuleMixin):
-            datamodule.loader_settings = settings
-
-    def _apply(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False) -> None:
-        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
-        self._set_target(settings)
-        if settings == self._current:
-            self._pending = None
-        elif now:
-            self._pending = settings
-        elif not _is_last_epoch(trainer):
-            _lightning.request_train_reload(trainer)
-
-    # ------------------------------------------------------------------------------------------------------
-    # in-epoch switching and worker-death recovery
-    # ------------------------------------------------------------------------------------------------------
-    def _before_fetch(self) -> None:
-        if self._guard_needed:
-            self._install_guard()
-        self.timer.fetch_started()
-        if self._gpu is not None:
-            self._gpu.fetch_started()
-
-    def _after_fetch(self) -> None:
-        self.timer.fetch_ended()
-        if self._gpu is not None:
-            self._gpu.fetch_ended()
-
-    def _install_guard(self) -> None:
-        self._guard_needed = False
-        assert self._trainer is not None
-        mode_iter = _lightning.train_mode_iterator(self._trainer)
-        if mode_iter is None or len(mode_iter.iterators) != 1 or isinstance(mode_iter.iterators[0], GuardedIterator):
-            return
-        loader = mode_iter.iterables[0]
-        if not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
-            return
-        mode_iter.iterators[0] = GuardedIterator(
-            loader,
-            mode_iter.iterators[0],
-            self._switch_if_pending,
-            self._recover,
-            _lightning.detach_from_sigchld,
-            _lightning.worker_died,
-            self._startup_failed,
-        )
-
-    def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
-        if self._pending is None:
-            return None
-        settings, self._pending = self._pending, None
-        self.timer.rebuilt_in_fetch()
-        return self._replace_loader(loader, settings)
-
-    def _replace_loader(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
-        assert self._trainer is not None
-        with _lightning.recording():
-            new = _lightning.rebuild_dataloader(loader, settings.to_loader_kwargs())
-        _lightning.shutdown_workers(loader)
-        _lightning.replace_train_loader(self._trainer, new)
-        self._current = settings
-        self._fresh_loader = True
-        return new
-
-    def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
-        """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
-        workers that cannot start): record it as failed and go back to the last good config. Errors of the
-        user's own config, or after a config has delivered batches, are the user's and propagate."""
-        current, start = self._current, self._start
-        if not self._fresh_loader or current is None or start is None or current == start:
-            return None
-        if current.num_workers == start.num_workers and current.persistent_workers == start.persistent_workers:
-            return None  # the workers are set up as the user had them: not something the tuner caused
-        return self._fall_back(loader, position, "workers failed to start", error)
-
-    def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
-        """A worker died: record the config as failed, fall back, and continue the epoch at ``position``."""
-        return self._fall_back(loader, position, "a DataLoader worker died", error)
-
-    def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        summary = lines[-1] if lines else type(error).__name__  # a worker's traceback ends in its error
-        if self._recoveries >= _MAX_RECOVERIES or self._current is None or self._trainer is None:
-            return None
-        self._recoveries += 1
-        failed = self._current
-        self.trials.append(Trial(failed, self._close_window(), failed=f"{kind}: {summary}"))
-        never = {t.settings for t in self.trials if t.failed}
-        usable = [t for t in self.trials if t.usable and t.settings not in never]
-        if usable:
-            fallback = pick_best(usable, self.policy).settings
-        elif self._start is not None and self._start not in never:
-            fallback = self._start
-        else:
-            fallback = failed.with_workers(failed.num_workers // 2)
-        if self.phase == TUNING:
-            self._settle(self._trainer, fallback, apply=False)
-        self._set_target(fallback)
-        warn_once(
-            f"fallback-{self._recoveries}",
-            f"DataLoaderTuner: {kind} ({summary}). Rebuilt the train loader with "
-            f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self._trainer.current_epoch} "
-            f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
-        )
-        self.timer.rebuilt_in_fetch()
-        return self._replace_loader(loader, fallback)
-
-    # ------------------------------------------------------------------------------------------------------
-    # measurement hooks
-    # ------------------------------------------------------------------------------------------------------
+    # --- the loop's hooks ---------------------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.timer.epoch_started()
-        if self._gpu is not None:
-            self._gpu.epoch_started()
-        self._keep_rng_as_untuned(trainer)
-        self._guard_needed = self._resumable
-        self._in_epoch = (
-            self._resumable
-            and self.phase == TUNING
-            and (
-                self.mode == "in_epoch"
-                or (self.mode == "auto" and trainer.num_training_batches >= 8 * self.window_steps)
-                or self._in_epoch
-            )
-        )
-
-    def _keep_rng_as_untuned(self, trainer: "pl.Trainer") -> None:
-        """Leave the global random state as a run that never changed the loader would have it, so each
-        epoch's sample order depends on the seed and the epoch, not on what the tuner did.
-
-        A loader built for this epoch already created its iterator (drawing a base seed, and for persistent
-        workers the epoch's order too): undo that. A persistent iterator that is reset instead of recreated
-        skips the base-seed draw a new iterator makes: make it, if the user's own loader would have.
-        """
-        saved, self._rng_before_build = self._rng_before_build, None
-        loader = trainer.train_dataloader
-        if trainer.current_epoch == 0 or self._start is None or not isinstance(loader, DataLoader):
-            return
-        if saved is not None:
-            torch.set_rng_state(saved[0])
-            if saved[1] is not None and loader.generator is not None:
-                loader.generator.set_state(saved[1])
-        if not self._start.persistent_workers and _lightning.will_reuse_iterator(loader):
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        self.probe.epoch_started()
+        self.switcher.epoch_started()
+        self.plan.epoch_started(self.switcher.resumable, self.state.tuning, trainer.num_training_batches)
 
     @override
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
-        if self._gpu is not None:
-            self._gpu.step_started(steady=self.timer.steady)
-        self.timer.step_started()
+        self.probe.step_started()
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._gpu is not None:
-            self._gpu.step_ended()
-        self.timer.step_ended(_batch_size(batch))
-        self._fresh_loader = False
-        if self._batch_bytes is None and self.phase != SETTLED:
-            self._batch_bytes = float(_tensor_bytes(batch))
-        if self._window_cpu0 is None and self.phase != SETTLED:
-            # CPU is counted from the end of a window's first step: worker start-up is not steady state
-            self._window_cpu0 = process_cpu_seconds()
+        self.probe.step_ended(batch, details=self.state.phase is not Phase.SETTLED)
+        self.switcher.batch_done()
         self._steps_since_log += 1
         if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
             self._steps_since_log = 0
             self._log(trainer)
-        if self._resumable and self.phase == TUNING and self._window_done():
-            left = trainer.num_training_batches - (batch_idx + 1)
-            if not self._in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
-                predicted = trainer.num_training_batches * self.timer.peek_window().mean_wall_s
-                if trainer.world_size > 1:  # every rank must make the same choice
-                    predicted = float(trainer.strategy.reduce(torch.tensor(predicted), reduce_op="max"))
-                self._in_epoch = predicted >= _LONG_EPOCH_S
-            if left > self.policy.min_steps and (self._in_epoch or (self.mode == "auto" and self._obvious_stall())):
-                # long epochs switch every window; a short one switches once the loader is plainly the
-                # bottleneck, instead of spending the rest of the epoch on a config already judged
-                self._close_trial(trainer, now=True, done=batch_idx + 1)
-
-    def _window_done(self) -> bool:
-        """A window is full after ``window_steps``, or after ``min_steps`` when the loader is plainly the
-        bottleneck (half the time or more spent waiting): no need to wait longer to decide."""
-        steps = self.timer.window_steps
-        if steps >= self.window_steps:
-            return True
-        return steps >= self.policy.min_steps and self._obvious_stall()
-
-    def _obvious_stall(self) -> bool:
-        if self._trainer is not None and self._trainer.world_size > 1:
-            return False  # a rank-local criterion would let ranks enter the decision's collectives apart
-        return self.timer.peek_window().stall_frac >= _OBVIOUS_STALL
+        if not (self.switcher.resumable and self.state.tuning):
+            return
+        batches = trainer.num_training_batches
+        left = batches - (batch_idx + 1)
+        if self.plan.close_in_epoch(
+            self.probe.window_steps,
+            self.probe.peek().stall_frac,
+            left,
+            self.agreement.distributed,
+            lambda: self.agreement.largest(batches * self.probe.peek().mean_wall_s),
+        ):
+            self._close_window(trainer, now=True, done=batch_idx + 1)
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.timer.pause()
-        if self._gpu is not None:
-            self._gpu.pause()
+        self.probe.pause()
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.timer.resume()
-
-    def _log(self, trainer: "pl.Trainer") -> None:
-        stats = self.timer.take_log_window()
-        gpu_stats = self._gpu.take_log_window() if self._gpu is not None else None
-        if self._nvml is not None:
-            self._nvml_metrics = self._nvml.take() or self._nvml_metrics
-        if trainer.world_size > 1:
-            stalls = trainer.strategy.all_gather(torch.tensor([stats.stall_frac], dtype=torch.float64))
-            self.stall_spread = float(stalls.max() - stalls.min())
-        if not trainer.loggers or stats.steps == 0:
-            return
-        current = self._current or LoaderSettings()
-        metrics = {
-            STALL_FRAC: stats.stall_frac,
-            DATA_WAIT_MS: stats.mean_wait_s * 1e3,
-            STEP_MS: stats.mean_step_s * 1e3,
-            OTHER_MS: stats.mean_other_s * 1e3,
-            SAMPLES_PER_S: stats.samples_per_s,
-            NUM_WORKERS: float(current.num_workers),
-            PREFETCH_FACTOR: float(current.prefetch_factor or 0),
-        }
-        if self.stall_spread is not None:
-            metrics[STALL_SPREAD] = self.stall_spread
-        gpu_stall = gpu_stats.stall_frac if gpu_stats is not None else None
-        if gpu_stats is not None and gpu_stall is not None:
-            metrics[GPU_STALL_FRAC] = gpu_stall
-            metrics[GPU_IDLE_MS] = gpu_stats.mean_idle_s * 1e3
-            metrics[H2D_MS] = gpu_stats.mean_copy_s * 1e3
-        if self._nvml_metrics:
-            metrics[GPU_UTIL_PCT] = self._nvml_metrics["gpu_util_pct"]
-            metrics[GPU_MEM_PCT] = self._nvml_metrics["gpu_mem_pct"]
-        _log_to_loggers(trainer, metrics)
-
-    # ------------------------------------------------------------------------------------------------------
-    # deciding
-    # ------------------------------------------------------------------------------------------------------
-    def _close_window(self) -> WindowStats:
-        stats = self.timer.take_window()
-        if self._gpu is not None:
-            stats = stats.with_gpu(self._gpu.take_window())
-        if self._window_cpu0 is not None:
-            main0, kids0 = self._window_cpu0
-            main1, kids1 = process_cpu_seconds()
-            stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
-        self._window_cpu0 = None
-        stats = stats.with_memory(self._worker_mem_bytes(), self._batch_bytes or 0.0)
-        self._batch_bytes = None
-        self._check_shm(stats)
-        return stats
-
-    def _worker_mem_bytes(self) -> float:
-        """Largest unique memory (USS) of one worker of the running loader, 0 without workers."""
-        import psutil
-
-        if self._trainer is None:
-            return 0.0
-        sizes = []
-        for pid in _lightning.train_worker_pids(self._trainer):
-            try:
-                sizes.append(psutil.Process(pid).memory_full_info().uss)
-            except psutil.Error:
-                continue
-        return float(max(sizes, default=0))
-
-    def _check_shm(self, stats: WindowStats) -> None:
-        """Say so, with the fix, when the running config's batches in flight may not fit /dev/shm."""
-        shm = self.budget.shm_bytes if self.budget is not None else None
-        current = self._current
-        if shm is None or current is None or current.num_workers == 0 or stats.batch_bytes <= 0:
-            return
-        in_flight = stats.batch_bytes * current.num_workers * (current.prefetch_factor or 2)
-        if in_flight > 0.8 * shm:
-            warn_once(
-                "shm-risk",
-                f"DataLoaderTuner: {current.describe()} keeps about {in_flight / 2**20:.0f} MiB of batches in "
-                f"flight but /dev/shm has {shm / 2**20:.0f} MiB free: workers may die with a bus error. Give the "
-                "container more shared memory (docker run --shm-size=8g, or --ipc=host), or call "
-                "torch.multiprocessing.set_sharing_strategy('file_system').",
-            )
+        self.probe.resume()
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._current is None or self.phase in (SETTLED, HELD):
-            self.timer.take_window()
-            if self._gpu is not None:
-                self._gpu.take_window(wait=False)
-            return
-        if self.timer.window_steps < self.policy.min_steps and not _is_last_epoch(trainer):
-            return  # pool short epochs into one trial
-        if self._in_epoch:
-            return  # windows run inside the epoch and carry over into the next one
-        self._close_trial(trainer, now=False, done=trainer.num_training_batches)
+        if self.state.current is None or self.state.done:
+            self.probe.skip()
+        elif (self.probe.window_steps >= self.policy.min_steps or is_last_epoch(trainer)) and not self.plan.in_epoch:
+            # short epochs pool into one window; in-epoch windows carry over into the next epoch
+            self._close_window(trainer, now=False, done=trainer.num_training_batches)
 
-    def _close_trial(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
+    def _log(self, trainer: "pl.Trainer") -> None:
+        stats, gpu_stats, nvml = self.probe.take_log()
+        spread = self.agreement.spread(stats.stall_frac)
+        if trainer.loggers and stats.steps:
+            current = self.state.current or LoaderSettings()
+            _log_to_loggers(trainer, window_metrics(stats, gpu_stats, current, spread, nvml))
+
+    # --- deciding -----------------------------------------------------------------------------------------------
+    def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
         """Judge the window that just ended; ``done``: batches of this epoch already trained."""
-        assert self._current is not None
-        stats, budget = self._close_window(), self._budget()
-        if trainer.world_size > 1:
-            stats, budget = self._reduce(trainer, stats, budget)
-        trial = Trial(self._current, stats)
-        if self.phase in (OBSERVING, DISABLED):
-            self.trials.append(trial)
-            return
-        decision = self._verify_cached(trial) or decide(
-            [*self.trials, trial], budget, self.policy, _remaining_steps(trainer, done)
-        )
-        decision = trainer.strategy.broadcast(decision, src=0)  # every rank must switch at the same step
-        self.trials.append(Trial(trial.settings, trial.stats, trial.failed, _decision_text(decision)))
-        if decision.action == "try":
-            self._apply(trainer, decision.settings, now=now)
-        elif decision.action == "settle":
-            self._settle(trainer, decision.settings, now=now)
-        elif decision.action == "hold":
-            self._hold(trainer, decision)
+        assert self.budget is not None
+        stats = self._measured()
+        left = remaining_steps(trainer, done)
+        stats, budget, decision = self.agreement.decide(stats, self.budget, lambda s, b: self.state.decide(s, b, left))
+        change = self.state.apply(decision, stats, budget, trainer.global_step)
+        if change is not None:
+            self.switcher.switch(change.settings, now=now, last_epoch=is_last_epoch(trainer))
+        if decision is not None and self.state.done:
+            self._tuning_ended()
 
-    def _hold(self, trainer: "pl.Trainer", decision: Decision) -> None:
-        """Stay on the running config for the rest of this ``fit``: the next config would not pay for its
-        start-up in the steps left. Not a settled result: a resumed run continues tuning from
-        ``decision.settings``, and the cache only learns the best config if it beat the starting one."""
-        best = pick_best(self.trials, self.policy).settings
-        self._stop_tuning(trainer, HELD, best, held=decision)
-        if best != self._start:
-            self._remember(best)
-        current = self._current.describe() if self._current else "?"
-        self._summarize(f"stays on {current} for the rest of this run: {decision.reason}", best)
+    def _measured(self) -> WindowStats:
+        stats = self.probe.close()
+        if self.state.current is not None and self.budget is not None:
+            warning = shm_warning(self.state.current, stats.batch_bytes, self.budget, self.policy.shm_fraction)
+            if warning:
+                warn_once("shm-risk", warning)
+        return stats
 
-    def _verify_cached(self, trial: Trial) -> Decision | None:
-        """The first window of a cache hit: keep the cached settings if they still hold."""
-        entry, self._cached_entry = self._cached_entry, None
-        if entry is None or self.trials or self._target != trial.settings or not trial.usable:
-            return None
-        cached_rate = float(entry.get("samples_per_s") or 0.0)
-        stall, rate = trial.stats.effective_stall_frac, trial.stats.samples_per_s
-        if stall <= self.policy.stall_threshold or rate >= _CACHE_TOLERANCE * cached_rate:
-            return Decision(
-                "settle", trial.settings, f"cached settings verified ({rate:.0f} samples/s, stall {stall:.1%})"
-            )
-        return None
+    def _fail(self, kind: str, why: str) -> LoaderSettings | None:
+        """The running config failed: record it and return the fallback (see ``LoaderSwitcher``)."""
+        assert self.budget is not None and self.switcher.trainer is not None
+        was_tuning = self.state.tuning
+        fallback = self.state.fail(self._measured(), f"{kind}: {why}", self.budget, self.switcher.trainer.global_step)
+        if fallback is not None and was_tuning:
+            self._tuning_ended()
+        return fallback
 
-    def _reduce(self, trainer: "pl.Trainer", stats: WindowStats, budget: Budget) -> tuple[WindowStats, Budget]:
-        """The slowest rank's statistics and the tightest node budget, the same on every rank."""
-        inf = float("inf")
-        limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits
-        table = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64)).reshape(-1, len(row))
-        per_sample = table[:, _STATS_FIELDS.index("wall_s")] / table[:, _STATS_FIELDS.index("samples")].clamp(min=1)
-        slowest = table[int(per_sample.argmax())].tolist()
-        values = dict(zip(_STATS_FIELDS, slowest[: len(_STATS_FIELDS)], strict=True))
-        for name in ("steps", "samples", "gpu_steps"):
-            values[name] = int(values[name])
-        stall = table[:, _STATS_FIELDS.index("wait_s")] / table[:, _STATS_FIELDS.index("wall_s")].clamp(min=1e-9)
-        self.stall_spread = float(stall.max() - stall.min())
-        tightest = table[:, len(_STATS_FIELDS) :].min(dim=0).values.tolist()
-        reduced = Budget(
-            cpus=tightest[0],
-            max_workers=int(tightest[1]),
-            max_prefetch=budget.max_prefetch,
-            bound_by=budget.bound_by + " (tightest node)",
-            memory_bytes=None if tightest[2] == inf else tightest[2],
-            shm_bytes=None if tightest[3] == inf else tightest[3],
-        )
-        self.agreed_budget = reduced
-        return WindowStats(**values), reduced
-
-    def _budget(self) -> Budget:
-        if self.budget is None:
-            self.budget = self._make_budget(1)
-        return self.budget
-
-    def _make_budget(self, local_world_size: int) -> Budget:
-        budget = make_budget(cpu_budget(local_world_size=local_world_size), self.max_workers, self.max_prefetch)
-        if self.max_memory is not None and self.max_memory > 1:
-            memory, mem_bound = float(self.max_memory) / local_world_size, f"max_memory={self.max_memory:.0f} bytes"
-        else:
-            mem = memory_budget(fraction=float(self.max_memory or 0.5), local_world_size=local_world_size)
-            memory, mem_bound = mem.bytes, mem.bound_by
-        return dataclasses.replace(
-            budget,
-            memory_bytes=memory,
-            shm_bytes=shm_free_bytes(),
-            bound_by=f"{budget.bound_by}; memory: {mem_bound}",
-        )
-
-    def _settle(self, trainer: "pl.Trainer", settings: LoaderSettings, now: bool = False, apply: bool = True) -> None:
-        self._stop_tuning(trainer, SETTLED, settings)
-        if apply:
-            self._apply(trainer, settings, now=now)
-        self._remember(settings)
-        self._summarize(f"settled on {settings.describe()}", settings)
-
-    def _stop_tuning(
-        self, trainer: "pl.Trainer", phase: str, settings: LoaderSettings, held: Decision | None = None
-    ) -> None:
-        """End tuning in ``phase`` (settled or held) with ``settings`` as the result, and diagnose the run."""
-        self.phase, self._held = phase, held
-        self._in_epoch = False
-        self.settled_step = trainer.global_step
-        self.best_settings = settings.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, settings, self._budget(), self.policy, held=held)
-
-    def _summarize(self, headline: str, settings: LoaderSettings) -> None:
+    def _tuning_ended(self) -> None:
+        self.plan.in_epoch = False
+        self._remember()
         if self.verbose:
+            result = self.state.result
             rank_zero_info(
-                f"DataLoaderTuner {headline}\n{summary_table(self.trials, settings)}\nDiagnosis: {self.diagnosis}"
+                f"DataLoaderTuner {self.state.headline()}\n{summary_table(self.trials, result)}\n"
+                f"Diagnosis: {self.diagnosis}"
             )
 
-    @rank_zero_only
-    def _remember(self, settings: LoaderSettings) -> None:
-        if self.cache is False or self._cache_fields is None:
-            return
-        final = next((t for t in reversed(self.trials) if t.settings == settings and t.usable), None)
-        extra = {}
-        if final is not None:
-            extra = {"samples_per_s": final.stats.samples_per_s, "stall_frac": final.stats.effective_stall_frac}
-        TuningCache(self._cache_path()).put(self._cache_fields, settings, extra)
-
-    # ------------------------------------------------------------------------------------------------------
-    # checkpoints
-    # ------------------------------------------------------------------------------------------------------
+    # --- checkpoints and the report -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        target = self._held.settings if self._held else self._target  # a held run's plan: a resumed run tries it
-        state: dict[str, Any] = {
-            "version": _STATE_VERSION,
-            "phase": self.phase,
-            "trials": [trial_to_dict(t) for t in self.trials],
-            "best_settings": self.best_settings,
-            "start": None if self._start is None else self._start.to_loader_kwargs(),
-            "target": None if target is None else target.to_loader_kwargs(),
-            "settled_step": self.settled_step,
-            "diagnosis": self.diagnosis,
-        }
-        position = self._epoch_position()
+        state = self.state.state_dict()
+        position = self.switcher.position()
         if position is not None:
             state["epoch_order"], state["epoch_batch"] = position
         return state
 
-    def _epoch_position(self) -> tuple[list[int], int] | None:
-        """The running epoch's order and the batch the loop reached, when a checkpoint is taken mid-epoch."""
-        if self._trainer is None or not self._resumable:
-            return None
-        mode_iter = _lightning.train_mode_iterator(self._trainer)
-        guard = mode_iter.iterators[0] if mode_iter is not None and mode_iter.iterators else None
-        if not isinstance(guard, GuardedIterator):
-            return None
-        sampler = guard.loader.batch_sampler
-        if not 0 < guard.position < len(sampler):
-            return None
-        return sampler.epoch_order, guard.position
-
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        phase = state_dict.get("phase", TUNING)
-        self.trials = [trial_from_dict(t) for t in state_dict.get("trials", [])]
-        self.best_settings = state_dict.get("best_settings")
-        self.settled_step = state_dict.get("settled_step")
-        self.diagnosis = state_dict.get("diagnosis", "")
-        start, target = state_dict.get("start"), state_dict.get("target")
-        self._start = None if start is None else LoaderSettings.from_dict(start)
-        if not self.observe_only:
-            self.phase = SETTLED if phase == SETTLED else TUNING
-            if phase == SETTLED and self.best_settings is not None:
-                target = self.best_settings
-            if target is not None:  # applied now: FSDP/DeepSpeed restore after on_fit_start
-                self._set_target(LoaderSettings.from_dict(target))
+        self.state.load_state_dict(state_dict)
+        self.switcher.aim(self.state.target)  # now: FSDP/DeepSpeed restore after on_fit_start
         if "epoch_order" in state_dict:
-            self._restored_epoch = (list(state_dict["epoch_order"]), int(state_dict.get("epoch_batch", 0)))
+            self.switcher.restored_epoch = (list(state_dict["epoch_order"]), int(state_dict.get("epoch_batch", 0)))
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.phase in (TUNING, HELD, OBSERVING, DISABLED) and any(t.usable for t in self.trials):
-            best = pick_best(self.trials, self.policy).settings
-            if self.phase != TUNING or self.best_settings is None:
-                self.best_settings = best.to_loader_kwargs()
-            self.diagnosis = diagnose(self.trials, best, self._budget(), self.policy, held=self._held)
-            if self.phase == TUNING:
-                self.diagnosis += " (tuning had not settled when training ended.)"
+        assert self.budget is not None
+        self.state.finish(self.budget)
+        agreed = self.agreement.budget
         self.report = build_report(
-            trials=self.trials,
-            start=self._start,
-            settled=LoaderSettings.from_dict(self.best_settings) if self.best_settings else None,
-            phase=self.phase,
-            diagnosis=self.diagnosis,
+            **self.state.report_content(),
             budget=self.budget,
             extra={
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "settled_step": self.settled_step,
                 "cache_hit": self.cache_hit,
                 "world_size": trainer.world_size,
-                "agreed_budget": None if self.agreed_budget is None else dataclasses.asdict(self.agreed_budget),
+                "agreed_budget": None if agreed is None else dataclasses.asdict(agreed),
                 "stall_frac_spread": self.stall_spread,
             },
         )
-        self._write_report(trainer)
-
-    @rank_zero_only
-    def _write_report(self, trainer: "pl.Trainer") -> None:
-        if self.report_path is False or self.report is None:
-            return
-        if self.report_path is None:
-            path = Path(trainer.log_dir or trainer.default_root_dir) / REPORT_NAME
-        else:
-            path = Path(str(self.report_path))
-        write_json_atomic(path, self.report)
-        self.report_file = path
+        # every rank reads log_dir: it broadcasts under DDP, so reading it on rank zero alone would hang or crash
+        log_dir = trainer.log_dir if self.report_path is None else None
+        path = report_path(self.report_path, log_dir, trainer.default_root_dir)
+        if path is not None and trainer.is_global_zero:
+            self.report_file = write_json_atomic(path, self.report)
 
 
-def _decision_text(decision: Decision) -> str:
-    if decision.action == "try":
-        return f"try {decision.settings.describe()}: {decision.reason}"
-    if decision.action == "settle":
-        return f"settle on {decision.settings.describe()}: {decision.reason}"
-    if decision.action == "hold":
-        return f"stay for the rest of this run: {decision.reason}"
-    return f"keep measuring: {decision.reason}"
-
-
-def _remaining_steps(trainer: "pl.Trainer", done: float) -> int | None:
-    """Training batches left in ``fit`` after ``done`` batches of the current epoch (``None``: unbounded)."""
-    batches = trainer.num_training_batches
-    if not math.isfinite(batches):
-        return None
-    left: float | None = None
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        left = (trainer.max_epochs - trainer.current_epoch) * batches - done
-    module = trainer.lightning_module
-    if trainer.max_steps >= 0 and trainer.accumulate_grad_batches == 1 and module.automatic_optimization:
-        by_steps = trainer.max_steps - trainer.global_step  # one optimizer step per batch
-        left = by_steps if left is None else min(left, by_steps)
-    return None if left is None else max(0, int(left))
-
-
-def _is_last_epoch(trainer: "pl.Trainer") -> bool:
-    max_epochs = trainer.max_epochs
-    return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
-
-
-def _tensor_bytes(batch: Any) -> int:
-    """Bytes of the tensors in a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
-    if isinstance(batch, dict):
-        return sum(_tensor_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in batch)
-    return 0
-
-
-def _batch_size(batch: Any) -> int:
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        return int(extract_batch_size(batch))
-    except Exception:
-        return 1
+def _check_arguments(
+    stall_threshold: Any,
+    max_trials: Any,
+    max_workers: Any,
+    max_prefetch: Any,
+    max_memory: Any,
+    min_steps: Any,
+    mode: Any,
+    window_steps: Any,
+) -> None:
+    in_range = lambda: 0 < stall_threshold < 1  # noqa: E731
+    check_float(stall_threshold, "stall_threshold", "in (0, 1)", in_range, "Use 0.05 to accept a 5% stall.")
+    check_int(max_trials, "max_trials", 1, "Use 1 to measure without retuning.")
+    if max_workers is not None:
+        check_num_workers(max_workers, "max_workers")
+    check_int(max_prefetch, "max_prefetch", 1, "PyTorch's default is 2.")
+    if max_memory is not None:
+        allowed = "a fraction in (0, 1] or a number of bytes > 1"
+        check_float(
+            max_memory, "max_memory", allowed, lambda: max_memory > 0, "Use 0.5 for half of the available memory."
+        )
+    check_int(min_steps, "min_steps", 1)
+    check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
+    check_int(window_steps, "window_steps", 2, "The default is 20.")
 
 
 @rank_zero_only

@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
 Action = Literal["measure", "try", "settle", "hold"]
+_CACHE_TOLERANCE = 0.8  # cached settings hold while they deliver 80% of the cached throughput
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ def decide(
     can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
     if can_prefetch and (enough_on_average or w >= cap) and _bursty(last.stats, est.busy_s, policy):
         cand = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
-        fits_shm = est.shm_cap_slots is None or w * (cand.prefetch_factor or 0) <= est.shm_cap_slots
+        fits_shm = est.shm_cap_slots is None or cand.batches_in_flight <= est.shm_cap_slots
         if cand not in tried and fits_shm:
             return try_(
                 cand,
@@ -330,7 +331,7 @@ def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Pol
         return None
     if budget.memory_bytes is not None:
         w = cand.num_workers
-        in_flight = w * (cand.prefetch_factor or 0) + 1  # the pin thread's batch too
+        in_flight = cand.batches_in_flight + 1  # the pin thread's batch too
         if s.batch_bytes * in_flight + w * s.worker_mem_bytes > budget.memory_bytes:
             return None
     return Decision(
@@ -446,3 +447,14 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         f"({speedup:.1f}x the starting throughput); waits are bursty or the trial budget ran out: raise "
         "`max_trials` or `max_prefetch`, or reduce the latency tail of the storage."
     )
+
+
+def verify_cached(entry: dict[str, Any], trial: Trial, policy: Policy) -> Decision | None:
+    """The first window of a cache hit: settle on the cached settings if they still hold, else ``None``."""
+    if not trial.usable:
+        return None
+    cached_rate = float(entry.get("samples_per_s") or 0.0)
+    stall, rate = trial.stats.effective_stall_frac, trial.stats.samples_per_s
+    if stall <= policy.stall_threshold or rate >= _CACHE_TOLERANCE * cached_rate:
+        return Decision("settle", trial.settings, f"cached settings verified ({rate:.0f} samples/s, stall {stall:.1%})")
+    return None

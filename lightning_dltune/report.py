@@ -10,10 +10,56 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dltune.decide import Budget, Trial
+from lightning_dltune.gpu import GpuStats
+from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
 REPORT_NAME = "dltune_report.json"
 REPORT_VERSION = 1
+
+PREFIX = "dltune/"
+STALL_FRAC = PREFIX + "stall_frac"
+DATA_WAIT_MS = PREFIX + "data_wait_ms"
+STEP_MS = PREFIX + "step_ms"
+OTHER_MS = PREFIX + "other_ms"
+SAMPLES_PER_S = PREFIX + "samples_per_s"
+NUM_WORKERS = PREFIX + "num_workers"
+PREFETCH_FACTOR = PREFIX + "prefetch_factor"
+GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
+GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
+GPU_STALL_FRAC = PREFIX + "gpu_stall_frac"
+GPU_IDLE_MS = PREFIX + "gpu_idle_ms"
+H2D_MS = PREFIX + "h2d_ms"
+STALL_SPREAD = PREFIX + "stall_frac_spread"
+
+
+def window_metrics(
+    stats: WindowStats,
+    gpu: GpuStats | None,
+    settings: LoaderSettings,
+    spread: float | None = None,
+    nvml: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """The ``dltune/*`` metrics of one logging window (see :class:`~lightning_dltune.DataLoaderTuner`)."""
+    metrics = {
+        STALL_FRAC: stats.stall_frac,
+        DATA_WAIT_MS: stats.mean_wait_s * 1e3,
+        STEP_MS: stats.mean_step_s * 1e3,
+        OTHER_MS: stats.mean_other_s * 1e3,
+        SAMPLES_PER_S: stats.samples_per_s,
+        NUM_WORKERS: float(settings.num_workers),
+        PREFETCH_FACTOR: float(settings.prefetch_factor or 0),
+    }
+    if spread is not None:
+        metrics[STALL_SPREAD] = spread
+    if gpu is not None and gpu.stall_frac is not None:
+        metrics[GPU_STALL_FRAC] = gpu.stall_frac
+        metrics[GPU_IDLE_MS] = gpu.mean_idle_s * 1e3
+        metrics[H2D_MS] = gpu.mean_copy_s * 1e3
+    if nvml:
+        metrics[GPU_UTIL_PCT] = nvml["gpu_util_pct"]
+        metrics[GPU_MEM_PCT] = nvml["gpu_mem_pct"]
+    return metrics
 
 
 def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> str:
@@ -104,6 +150,16 @@ def build_report(
     if extra:
         report.update(extra)
     return report
+
+
+def report_path(option: str | os.PathLike[str] | bool | None, log_dir: str | None, root_dir: str) -> Path | None:
+    """Where the report goes: ``option`` itself, ``None`` for the logger's directory (else ``root_dir``), or
+    nowhere for ``False``."""
+    if option is False:
+        return None
+    if option is None or option is True:
+        return Path(log_dir or root_dir) / REPORT_NAME
+    return Path(option)
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:

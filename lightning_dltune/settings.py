@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -67,7 +68,13 @@ class LoaderSettings:
     def cost(self) -> tuple[int, int, int]:
         """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight, then no
         page-locked (pinned) memory."""
-        return (self.num_workers, self.num_workers * (self.prefetch_factor or 0), int(self.pin_memory))
+        return (self.num_workers, self.batches_in_flight, int(self.pin_memory))
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches the workers may hold at once (each worker prefetches ``prefetch_factor``): what crosses
+        /dev/shm and, pinned, what page-locked memory holds."""
+        return self.num_workers * (self.prefetch_factor or 0)
 
     def to_loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.utils.data.DataLoader`` (valid for 0 workers too)."""
@@ -114,3 +121,26 @@ def check_prefetch_factor(value: Any, num_workers: int, name: str = "prefetch_fa
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int or None, got {value!r}. Use None when `num_workers=0`.")
     return value
+
+
+def check_int(value: Any, name: str, minimum: int, fix: str = "") -> int:
+    """``value`` if it is an int >= ``minimum``, else a ``ValueError`` naming ``name`` and the ``fix``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}." + (f" {fix}" if fix else ""))
+    return value
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...], fix: str) -> str:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}. {fix}")
+    return str(value)
+
+
+def check_float(value: Any, name: str, allowed: str, ok: bool | Callable[[], bool], fix: str) -> float:
+    """``value`` if it is a number and ``ok`` (a bool, or a test run only once ``value`` is known to be a
+    number): else a ``TypeError``/``ValueError`` naming ``name``, the ``allowed`` values and the ``fix``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a float ({allowed}), got {value!r}. {fix}")
+    if not (ok() if callable(ok) else ok):
+        raise ValueError(f"`{name}` must be {allowed}, got {value}. {fix}")
+    return float(value)

@@ -58,6 +58,12 @@ class ResumableBatchSampler(BatchSampler):
             raise ValueError(f"`batch` must be in [0, {len(self)}], got {batch}.")
         self._resume = batch
 
+    def resume_order(self, order: list[int], batch: int) -> None:
+        """Continue an epoch whose order was saved (``epoch_order``) at ``batch``: the next ``__iter__`` yields
+        the rest of it."""
+        self._order = array("q", order)
+        self.resume_at(batch)
+
     @property
     def epoch_order(self) -> list[int]:
         """Every sample index of the current epoch, in order (empty before the first epoch)."""

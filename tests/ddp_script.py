@@ -40,7 +40,9 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this "node" has fewer CPUs
     pl.seed_everything(5, workers=True)
     mode = sys.argv[3] if len(sys.argv) > 3 else "auto"
-    tuner = DataLoaderTuner(cache=False, verbose=False, report_path=False, mode=mode, window_steps=5, min_steps=4)
+    # report, cache and summary at their defaults (the cache file is the test's own, through $DLTUNE_CACHE);
+    # short windows only so that 12-step epochs hold several of them
+    tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4)
     record = Record()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -48,6 +50,7 @@ def main() -> None:
         devices=2 if kind == "single" else 1,
         num_nodes=1 if kind == "single" else 2,
         max_epochs=3,
+        default_root_dir=out,
         callbacks=[tuner, record],
         logger=False,
         enable_checkpointing=False,
@@ -70,6 +73,8 @@ def main() -> None:
         "sampler": type(trainer.train_dataloader.batch_sampler.sampler).__name__,
         "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)),
         "steps_per_trial": [t.stats.steps for t in tuner.trials],
+        "phase": str(tuner.phase),
+        "report_file": None if tuner.report_file is None else str(tuner.report_file),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -21,9 +21,9 @@ class EpochClock(pl.Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 4 and self.tuner is not None and self.tuner._current is not None:
+        if batch_idx == 4 and self.tuner is not None and self.tuner.state.current is not None:
             alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-            self.children.append((len(alive), self.tuner._current.num_workers))
+            self.children.append((len(alive), self.tuner.state.current.num_workers))
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.durations.append(time.perf_counter() - self._t0)

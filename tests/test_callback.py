@@ -83,6 +83,7 @@ def test_plain_dataloader_is_rebuilt_and_tensorboard_gets_the_scalars(tmp_path):
     workers = [e.value for e in events.Scalars("dltune/num_workers")]
     assert workers[0] == 0 and max(workers) >= 3 * CORES
     assert set(workers) <= {float(t.settings.num_workers) for t in tuner.trials}  # logged = what ran
+
     # Judge phases, not single points: a window holding an epoch start (where the pipeline refills) stalls on any
     # config. The median window on the settled config against the median window at the starting 0 workers.
     def by_phase(tag):

@@ -34,8 +34,13 @@ def expected_order(rank: int, epoch: int, seed: int) -> list[int]:
     return list(sampler)
 
 
-def check_agreement_and_shards(results: list[dict]) -> None:
+def check_agreement_and_shards(results: list[dict], out: Path) -> None:
     a, b = results
+    assert a["phase"] == b["phase"]
+    # the report at its default place, written once, by rank zero, after every rank read the log dir together
+    assert a["report_file"] == str(out / "dltune_report.json") and b["report_file"] is None
+    assert [p.name for p in out.rglob("dltune_report.json")] == ["dltune_report.json"]
+    assert json.loads((out / "dltune_report.json").read_text())["world_size"] == 2
     assert a["world_size"] == b["world_size"] == 2
     assert a["best_settings"] == b["best_settings"] and a["best_settings"]["num_workers"] > 0
     assert a["trials"] == b["trials"] and a["decisions"] == b["decisions"]
@@ -62,7 +67,7 @@ def test_two_processes_agree_without_hanging(tmp_path, mode):
     proc = run_logged([sys.executable, str(SCRIPT), str(tmp_path), "single", mode], log, env=env())
     assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
     results = read(tmp_path)
-    check_agreement_and_shards(results)
+    check_agreement_and_shards(results, tmp_path)
     if mode == "in_epoch":  # windows of 5 steps in 12-step epochs: the loader changed inside an epoch
         assert min(results[0]["steps_per_trial"]) < 12
 
@@ -77,5 +82,5 @@ def test_two_nodes_on_loopback_each_compute_a_budget_and_agree(tmp_path):
     assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
     results = read(tmp_path)
     assert [r["own_cpus"] for r in results] == [len(os.sched_getaffinity(0)), 1]  # each node's own budget
-    check_agreement_and_shards(results)
+    check_agreement_and_shards(results, tmp_path)
     assert results[0]["agreed_cpus"] == results[1]["agreed_cpus"] == 1.0  # the tightest node governs

@@ -56,13 +56,85 @@ def test_torch_dataloader_internals_used_for_switching_exist():
     dl = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True)
     it = iter(dl)
     next(it)
+    owners = {cls.__name__: obj for obj in (dl, it) for cls in type(obj).__mro__}
+    owners[signal_handling.__name__] = signal_handling
     try:
+        for owner, name in _lightning.TORCH_PRIVATE:
+            assert owner in owners, f"torch renamed `{owner}`: update _lightning.TORCH_PRIVATE"
+            assert hasattr(owners[owner], name), f"torch moved `{owner}.{name}`: update lightning_dltune/_lightning.py"
         assert dl._iterator is it
-        for name in ("_workers", "_shutdown_workers", "_worker_pids_set"):
-            assert hasattr(it, name), f"torch moved DataLoader iterator attribute `{name}`: update _lightning.py"
-        assert callable(signal_handling._remove_worker_pids)
         assert _lightning.worker_died(it, wait_s=0) is False
         _lightning.detach_from_sigchld(it)
         assert it._worker_pids_set is False
     finally:
         _lightning.shutdown_workers(dl)
+
+
+def test_the_train_combined_loaders_iterator_is_where_the_switcher_reaches_it():
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    dl = DataLoader(list(range(8)), batch_size=2)
+    combined = CombinedLoader(dl, "max_size_cycle")  # how the fit loop wraps the train loader
+    iter(combined)
+    owners = {cls.__name__: obj for obj in (combined, combined._iterator) for cls in type(obj).__mro__}
+    for owner, name in _lightning.COMBINED_LOADER_PRIVATE:
+        assert owner in owners, f"lightning renamed `{owner}`: update _lightning.COMBINED_LOADER_PRIVATE"
+        assert hasattr(owners[owner], name), f"lightning moved `{owner}.{name}`: update lightning_dltune/_lightning.py"
+    mode_iter = combined._iterator
+    assert mode_iter.iterables == [dl] and len(mode_iter.iterators) == 1
+
+
+def test_the_switcher_wraps_and_finds_the_train_iterator_in_a_real_fit(tmp_path):
+    """The fit loop's own objects, between two batches: the iterator the switcher wraps is the one the loop uses."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = []
+
+    class Peek(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                inner = _lightning.train_iterator(trainer)
+                _lightning.wrap_train_iterator(trainer, lambda loader, it: Wrapped(loader, it))
+                seen.append((inner, _lightning.train_iterator(trainer)))
+
+    class Wrapped:
+        def __init__(self, loader, inner):
+            self.loader, self.inner, self.calls = loader, inner, 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.calls += 1
+            return next(self.inner)
+
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        limit_train_batches=4,
+        callbacks=[Peek()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    ((inner, wrapped),) = seen
+    assert inner is not None and isinstance(wrapped, Wrapped) and wrapped.inner is inner
+    assert wrapped.loader is trainer.train_dataloader and wrapped.calls >= 2  # the loop pulled batches through it
+
+
+def test_only_the_loader_switcher_uses_the_private_module():
+    import ast
+    from pathlib import Path
+
+    package = Path(_lightning.__file__).parent
+    users = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.module == "lightning_dltune._lightning"
+                or (node.module == "lightning_dltune" and any(a.name == "_lightning" for a in node.names))
+            ):
+                users.append(path.name)
+    assert sorted(set(users)) == ["loader.py"], users

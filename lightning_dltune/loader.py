@@ -1,0 +1,326 @@
+"""The loader switcher: the one part that changes the train loader, and the only user of ``_lightning``.
+
+:class:`LoaderSwitcher` intercepts every train-loader request of ``fit`` and rebuilds the loader with the
+tuning state's target settings (and a :class:`~lightning_dltune.switch.ResumableBatchSampler`, for in-epoch
+switching); it installs the :class:`~lightning_dltune.switch.GuardedIterator` that performs pending switches
+between two fetches and recovers from dead workers; it requests epoch-boundary reloads; it keeps the global
+random state as an untuned run would; and it knows the epoch's position for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from lightning_dltune import _lightning
+from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune._warn import warn_once
+from lightning_dltune.mixin import TunableDataModuleMixin
+from lightning_dltune.probe import Probe
+from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.state import TuningState, batches_left
+from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+
+__all__ = [
+    "LoaderSwitcher",
+    "NotRebuildableError",
+    "is_last_epoch",
+    "rebuild_dataloader",
+    "remaining_steps",
+    "shutdown_workers",
+]
+OnFailure = Callable[[str, str], "LoaderSettings | None"]
+
+
+class LoaderSwitcher:
+    """Builds, switches and recovers the train loader of one tuner.
+
+    Args:
+        state: the tuning state (its ``target`` is what loaders are built with; ``start``/``current`` are told).
+        probe: told about every loader build and in-fetch switch, and wired to the fetch hooks.
+        mode: ``"epoch"`` keeps the loader's own batch sampler (no in-epoch switching).
+        tune_iterable: retune an ``IterableDataset``'s loader too.
+        on_first_loader: called with the user's first loader (the cache lookup).
+        on_failure: ``(what failed, why) -> fallback settings | None`` when a worker died or a config the tuner
+            chose could not start.
+    """
+
+    def __init__(
+        self,
+        state: TuningState,
+        probe: Probe,
+        mode: str = "auto",
+        tune_iterable: bool = False,
+        on_first_loader: Callable[[DataLoader], None] = lambda loader: None,
+        on_failure: OnFailure = lambda kind, why: None,
+    ) -> None:
+        self.state, self.probe = state, probe
+        self.mode, self.tune_iterable = mode, tune_iterable
+        self._on_first_loader, self._on_failure = on_first_loader, on_failure
+        self.trainer: pl.Trainer | None = None
+        self.resumable = False  # the train loader has a ResumableBatchSampler
+        self._restores: list[Callable[[], None]] = []
+        self._guard_needed = False
+        self._pending: LoaderSettings | None = None
+        self._fresh = False  # the running loader has not delivered a batch yet
+        self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
+
+    # --- set-up ---------------------------------------------------------------------------------------------
+    def install(self, trainer: "pl.Trainer") -> None:
+        self.trainer = trainer
+        self._restores = [
+            _lightning.install_loader_transform(trainer, self._on_loader),
+            _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
+        ]
+
+    def restore(self) -> None:
+        """Undo :meth:`install`; safe to call twice."""
+        for restore in reversed(self._restores):
+            restore()
+        self._restores = []
+
+    # --- building -------------------------------------------------------------------------------------------
+    def _on_loader(self, loader: Any) -> Any:
+        """Every train-loader request of ``fit`` passes here (see ``_lightning.install_loader_transform``)."""
+        self.probe.loader_requested()
+        if not isinstance(loader, DataLoader):
+            self._disable(
+                "unsupported-loader",
+                f"the train loader is a {type(loader).__name__}, not one `torch.utils.data.DataLoader`; "
+                "it is measured but not retuned",
+            )
+            return loader
+        current = LoaderSettings.from_loader(loader)
+        if self.state.loader_seen(current):
+            self._on_first_loader(loader)
+        if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self.tune_iterable:
+            self._disable(
+                "iterable",
+                "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
+                "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
+                "with `DataLoaderTuner(tune_iterable=True)`",
+            )
+        gen = loader.generator
+        self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+        loader = self._rebuilt(loader, current)
+        self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
+        self._fresh = True
+        if self.resumable and self.restored_epoch is not None:
+            self._resume_epoch(loader.batch_sampler)
+        self.state.current = LoaderSettings.from_loader(loader)
+        return loader
+
+    def _rebuilt(self, loader: DataLoader, current: LoaderSettings) -> DataLoader:
+        overrides: dict[str, Any] = {}
+        target = self.state.target
+        if target is not None and target != current and self.state.switching:
+            overrides.update(target.to_loader_kwargs())
+        overrides.update(self._resumable_overrides(loader))
+        if not overrides:
+            return loader
+        try:
+            return _lightning.rebuild_dataloader(loader, overrides)
+        except _lightning.NotRebuildableError as ex:
+            self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
+            return loader
+
+    def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
+        """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
+        if self.mode == "epoch" or not self.state.switching:
+            return {}
+        bs = loader.batch_sampler
+        if isinstance(bs, ResumableBatchSampler):
+            return {}
+        if isinstance(loader.dataset, IterableDataset) or type(bs) is not BatchSampler:
+            if self.mode == "in_epoch":
+                warn_once(
+                    "no-in-epoch",
+                    "DataLoaderTuner: in-epoch switching needs a map-style dataset with a plain BatchSampler "
+                    f"(this loader has {type(bs).__name__}); switching at epoch boundaries instead, where "
+                    "no sample can be lost or repeated.",
+                )
+            return {}
+        return {
+            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last),
+            "batch_size": 1,
+            # no `shuffle`: Lightning then reads it from batch_sampler.sampler when it injects its
+            # DistributedSampler (an explicit False would turn shuffling off under DDP)
+            "shuffle": _lightning.REMOVE,
+            "sampler": None,
+            "drop_last": False,
+        }
+
+    def _resume_epoch(self, sampler: ResumableBatchSampler) -> None:
+        order, batch = self.restored_epoch or ([], 0)
+        self.restored_epoch = None
+        expected = len(sampler) * sampler.batch_size if sampler.drop_last else None
+        if (expected is not None and len(order) != expected) or -(-len(order) // sampler.batch_size) != len(sampler):
+            warn_once(
+                "resume-order",
+                "DataLoaderTuner: the checkpoint's epoch order does not fit this loader; "
+                "the epoch restarts with a new order.",
+            )
+            return
+        sampler.resume_order(order, batch)
+
+    def _disable(self, key: str, message: str) -> None:
+        self.state.disable()
+        warn_once(key, f"DataLoaderTuner: {message}.")
+
+    # --- switching ------------------------------------------------------------------------------------------
+    def aim(self, settings: LoaderSettings | None) -> None:
+        """Mirror the target ``settings`` onto a mixin DataModule (and so into its checkpointed state)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if settings is not None and isinstance(datamodule, TunableDataModuleMixin):
+            datamodule.loader_settings = settings
+
+    def switch(self, settings: LoaderSettings, now: bool, last_epoch: bool) -> None:
+        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
+        assert self.trainer is not None
+        self.aim(settings)
+        if settings == self.state.current:
+            self._pending = None
+        elif now:
+            self._pending = settings
+        elif not last_epoch:
+            _lightning.request_train_reload(self.trainer)
+
+    def epoch_started(self) -> None:
+        """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
+        self._keep_rng_as_untuned()
+        self._guard_needed = self.resumable
+
+    def batch_done(self) -> None:
+        self._fresh = False
+
+    def _before_fetch(self) -> None:
+        if self._guard_needed:
+            self._guard_needed = False
+            assert self.trainer is not None
+            _lightning.wrap_train_iterator(self.trainer, self._guard)
+        self.probe.fetch_started()
+
+    def _guard(self, loader: Any, inner: Iterator[Any]) -> Iterator[Any]:
+        resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
+        if isinstance(inner, GuardedIterator) or not resumable:
+            return inner
+        return GuardedIterator(
+            loader,
+            inner,
+            self._switch_if_pending,
+            self._recover,
+            _lightning.detach_from_sigchld,
+            _lightning.worker_died,
+            self._startup_failed,
+        )
+
+    def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
+        if self._pending is None:
+            return None
+        settings, self._pending = self._pending, None
+        self.probe.rebuilt_in_fetch()
+        return self._replace(loader, settings)
+
+    def _replace(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
+        assert self.trainer is not None
+        with _lightning.recording():
+            new = _lightning.rebuild_dataloader(loader, settings.to_loader_kwargs())
+        _lightning.shutdown_workers(loader)
+        _lightning.replace_train_loader(self.trainer, new)
+        self.state.current = settings
+        self._fresh = True
+        return new
+
+    # --- failures -------------------------------------------------------------------------------------------
+    def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
+        """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
+        workers that cannot start): fall back. Errors of the user's own config, or after a config has delivered
+        batches, are the user's and propagate."""
+        if not self._fresh or not self.state.tuner_changed_workers():
+            return None
+        return self._fall_back(loader, position, "workers failed to start", error)
+
+    def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
+        """A worker died: fall back, and continue the epoch at ``position``."""
+        return self._fall_back(loader, position, "a DataLoader worker died", error)
+
+    def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        summary = lines[-1] if lines else type(error).__name__  # a worker's traceback ends in its error
+        failed = self.state.current
+        if failed is None or self.trainer is None:
+            return None
+        fallback = self._on_failure(kind, summary)
+        if fallback is None:
+            return None
+        self.aim(fallback)
+        warn_once(
+            f"fallback-{self.state.recoveries}",
+            f"DataLoaderTuner: {kind} ({summary}). Rebuilt the train loader with "
+            f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self.trainer.current_epoch} "
+            f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
+        )
+        self.probe.rebuilt_in_fetch()
+        return self._replace(loader, fallback)
+
+    # --- the random state and the epoch's position ----------------------------------------------------------
+    def _keep_rng_as_untuned(self) -> None:
+        """Leave the global random state as a run that never changed the loader would have it, so each
+        epoch's sample order depends on the seed and the epoch, not on what the tuner did.
+
+        A loader built for this epoch already created its iterator (drawing a base seed, and for persistent
+        workers the epoch's order too): undo that. A persistent iterator that is reset instead of recreated
+        skips the base-seed draw a new iterator makes: make it, if the user's own loader would have.
+        """
+        saved, self._rng_before_build = self._rng_before_build, None
+        trainer, start = self.trainer, self.state.start
+        loader = trainer.train_dataloader if trainer is not None else None
+        if trainer is None or trainer.current_epoch == 0 or start is None or not isinstance(loader, DataLoader):
+            return
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            if saved[1] is not None and loader.generator is not None:
+                loader.generator.set_state(saved[1])
+        if not start.persistent_workers and _lightning.will_reuse_iterator(loader):
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+
+    def position(self) -> tuple[list[int], int] | None:
+        """The running epoch's order and the batch the loop reached, when a checkpoint is taken mid-epoch."""
+        if self.trainer is None or not self.resumable:
+            return None
+        guard = _lightning.train_iterator(self.trainer)
+        if not isinstance(guard, GuardedIterator):
+            return None
+        sampler = guard.loader.batch_sampler
+        if not 0 < guard.position < len(sampler):
+            return None
+        return sampler.epoch_order, guard.position
+
+    def worker_pids(self) -> list[int]:
+        return [] if self.trainer is None else _lightning.train_worker_pids(self.trainer)
+
+
+def remaining_steps(trainer: "pl.Trainer", done: float) -> int | None:
+    """Training batches left in ``fit`` after ``done`` batches of the current epoch (``None``: unbounded)."""
+    module = trainer.lightning_module
+    by_steps = trainer.accumulate_grad_batches == 1 and module.automatic_optimization
+    return batches_left(
+        trainer.num_training_batches,
+        trainer.max_epochs,
+        trainer.current_epoch,
+        done,
+        trainer.max_steps,
+        trainer.global_step,
+        by_steps,
+    )
+
+
+def is_last_epoch(trainer: "pl.Trainer") -> bool:
+    """Whether the running epoch is the last of ``fit`` (by ``max_epochs``)."""
+    max_epochs = trainer.max_epochs
+    return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs

@@ -1,0 +1,318 @@
+"""The tuning state: phase, trials, settings and result, advanced by observations. No torch, no lightning, no clock.
+
+:class:`TuningState` is what the tuner knows and decides. The callback feeds it one window at a time::
+
+    decision = state.decide(stats, budget, remaining_steps)   # pure: what to do after this window
+    decision = agree(decision)                                  # the same on every rank
+    state.apply(decision, stats, step)                          # record the trial, change phase and target
+
+and asks it, when a worker dies, which config to fall back to (:meth:`TuningState.fail`). It saves itself as
+primitives (:meth:`TuningState.state_dict`) and gives the report its content (:meth:`TuningState.report_content`).
+
+:class:`WindowPlan` says when a window closes: at the epoch's end, every ``window_steps`` inside long epochs, or
+as soon as the loader is plainly the bottleneck.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best, verify_cached
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.report import trial_from_dict, trial_to_dict
+from lightning_dltune.settings import LoaderSettings
+
+STATE_VERSION = 1
+MAX_RECOVERIES = 3
+Mode = Literal["auto", "epoch", "in_epoch"]
+MODES: tuple[str, ...] = ("auto", "epoch", "in_epoch")
+_LONG_EPOCH_S = 60.0
+_OBVIOUS_STALL = 0.5
+
+
+class Phase(str, Enum):
+    """Where tuning stands. A ``str`` enum: ``state.phase == "settled"`` reads as it says."""
+
+    TUNING = "tuning"  # measuring and switching configs
+    SETTLED = "settled"  # a config was chosen; no more switches
+    HELD = "held"  # switching would not pay in the steps left: stays for this fit, plans the next config
+    OBSERVING = "observing"  # ``observe_only``: measures and reports, never switches
+    DISABLED = "disabled"  # the loader cannot be retuned (an IterableDataset, a foreign loader): measured only
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TuningState:
+    """Phase, trials, the start / current / target settings and the result of one tuner.
+
+    Args:
+        policy: the decision's knobs.
+        observe_only: start (and stay) in :attr:`Phase.OBSERVING`.
+
+    Attributes:
+        phase: the :class:`Phase`.
+        trials: every measured window's :class:`~lightning_dltune.decide.Trial`, with the decision taken after it.
+        start: the settings of the user's own loader; ``current``: of the running loader; ``target``: what the
+            next loader is built with (``None``: as the user built it).
+        held: the ``"hold"`` decision that stopped tuning for this fit (its ``settings`` are the plan for a
+            longer or resumed run).
+        best_settings, settled_step, diagnosis: the result (``None``/``""`` until tuning ends).
+        cache_hit: whether this run started from cached settings.
+    """
+
+    def __init__(self, policy: Policy | None = None, observe_only: bool = False) -> None:
+        self.policy = policy or Policy()
+        self.observe_only = observe_only
+        self.phase = Phase.OBSERVING if observe_only else Phase.TUNING
+        self.trials: list[Trial] = []
+        self.start: LoaderSettings | None = None
+        self.current: LoaderSettings | None = None
+        self.target: LoaderSettings | None = None
+        self.held: Decision | None = None
+        self.best_settings: dict[str, Any] | None = None
+        self.settled_step: int | None = None
+        self.diagnosis = ""
+        self.cache_hit = False
+        self.recoveries = 0
+        self._cached_entry: dict[str, Any] | None = None
+
+    # --- the loader ---------------------------------------------------------------------------------------------
+    @property
+    def switching(self) -> bool:
+        """Whether loaders are (re)built with the tuner's settings: tuning, settled or held."""
+        return self.phase in (Phase.TUNING, Phase.SETTLED, Phase.HELD)
+
+    @property
+    def tuning(self) -> bool:
+        return self.phase is Phase.TUNING
+
+    @property
+    def done(self) -> bool:
+        """Tuning ended for this fit (settled or held): windows are only logged."""
+        return self.phase in (Phase.SETTLED, Phase.HELD)
+
+    def begin_fit(self) -> None:
+        """A new ``fit`` has its own length: a held run judges again."""
+        if self.phase is Phase.HELD:
+            self.phase, self.held = Phase.TUNING, None
+
+    def loader_seen(self, settings: LoaderSettings) -> bool:
+        """The user's loader was built with ``settings``; True the first time (the run's starting config)."""
+        if self.start is not None:
+            return False
+        self.start = settings
+        return True
+
+    def disable(self) -> None:
+        """The loader cannot be retuned: measure it only."""
+        if self.phase is Phase.TUNING:
+            self.phase = Phase.DISABLED
+
+    def start_from_cache(self, settings: LoaderSettings, entry: dict[str, Any]) -> bool:
+        """Start from cached ``settings``, to be verified by the first window. False when it is too late for that
+        (resumed, already aimed elsewhere, or not tuning)."""
+        if not self.tuning or self.target is not None or self.trials:
+            return False
+        self.target, self._cached_entry, self.cache_hit = settings, entry, True
+        return True
+
+    def tuner_changed_workers(self) -> bool:
+        """Whether the running loader's workers are set up otherwise than the user had them."""
+        cur, start = self.current, self.start
+        if cur is None or start is None or cur == start:
+            return False
+        return cur.num_workers != start.num_workers or cur.persistent_workers != start.persistent_workers
+
+    # --- deciding -----------------------------------------------------------------------------------------------
+    def decide(self, stats: WindowStats, budget: Budget, remaining_steps: int | None) -> Decision | None:
+        """What to do after a window on the current config (``None`` while observing or disabled). Pure."""
+        if self.current is None or not self.tuning:
+            return None
+        trial = Trial(self.current, stats)
+        cached = self._cached_entry if not self.trials and self.target == trial.settings else None
+        verified = verify_cached(cached, trial, self.policy) if cached is not None else None
+        return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
+
+    def apply(self, decision: Decision | None, stats: WindowStats, budget: Budget, step: int) -> Decision | None:
+        """Record the window's trial with ``decision`` and act on it: a new target, settled or held. Returns the
+        decision when the loader must change (``"try"``/``"settle"``), else ``None``."""
+        assert self.current is not None
+        self._cached_entry = None
+        if decision is None:
+            self.trials.append(Trial(self.current, stats))
+            return None
+        self.trials.append(Trial(self.current, stats, decision=decision_text(decision)))
+        if decision.action == "try":
+            self.target = decision.settings
+        elif decision.action == "settle":
+            self.target = decision.settings
+            self._stop(Phase.SETTLED, decision.settings, budget, step)
+        elif decision.action == "hold":
+            best = pick_best(self.trials, self.policy).settings
+            self._stop(Phase.HELD, best, budget, step, held=decision)
+            return None
+        return decision if decision.action in ("try", "settle") else None
+
+    def fail(self, stats: WindowStats, why: str, budget: Budget, step: int) -> LoaderSettings | None:
+        """The running config failed (``why``): record it, and return the config to fall back to (``None``: give
+        up and let the error propagate). A failed config is never chosen again."""
+        if self.recoveries >= MAX_RECOVERIES or self.current is None:
+            return None
+        self.recoveries += 1
+        failed = self.current
+        self.trials.append(Trial(failed, stats, failed=why))
+        never = {t.settings for t in self.trials if t.failed}
+        usable = [t for t in self.trials if t.usable and t.settings not in never]
+        if usable:
+            fallback = pick_best(usable, self.policy).settings
+        elif self.start is not None and self.start not in never:
+            fallback = self.start
+        else:
+            fallback = failed.with_workers(failed.num_workers // 2)
+        if self.tuning:
+            self._stop(Phase.SETTLED, fallback, budget, step)
+        self.target = fallback
+        return fallback
+
+    def _stop(
+        self, phase: Phase, settings: LoaderSettings, budget: Budget, step: int, held: Decision | None = None
+    ) -> None:
+        self.phase, self.held = phase, held
+        self.settled_step = step
+        self.best_settings = settings.to_loader_kwargs()
+        self.diagnosis = diagnose(self.trials, settings, budget, self.policy, held=held)
+
+    @property
+    def result(self) -> LoaderSettings | None:
+        return None if self.best_settings is None else LoaderSettings.from_dict(self.best_settings)
+
+    def headline(self) -> str:
+        """What the tuner did, for the summary printed when tuning ends."""
+        result = self.result.describe() if self.result else "?"
+        if self.phase is Phase.HELD and self.held is not None:
+            current = self.current.describe() if self.current else "?"
+            return f"stays on {current} for the rest of this run: {self.held.reason}"
+        return f"settled on {result}"
+
+    def cacheable(self) -> LoaderSettings | None:
+        """The result to teach the cache: a settled config, or a held one that beat the start."""
+        result = self.result
+        if result is None or self.phase not in (Phase.SETTLED, Phase.HELD):
+            return None
+        if self.phase is Phase.HELD and result == self.start:
+            return None
+        return result
+
+    def final_trial(self, settings: LoaderSettings) -> Trial | None:
+        return next((t for t in reversed(self.trials) if t.settings == settings and t.usable), None)
+
+    def finish(self, budget: Budget) -> None:
+        """``fit`` ended: make sure there is a result and a diagnosis, even if tuning had not ended."""
+        if self.phase is Phase.SETTLED or not any(t.usable for t in self.trials):
+            return
+        best = pick_best(self.trials, self.policy).settings
+        if not self.tuning or self.best_settings is None:
+            self.best_settings = best.to_loader_kwargs()
+        self.diagnosis = diagnose(self.trials, best, budget, self.policy, held=self.held)
+        if self.tuning:
+            self.diagnosis += " (tuning had not settled when training ended.)"
+
+    # --- checkpoints and the report -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        target = self.held.settings if self.held else self.target  # a held run's plan: a resumed run tries it
+        return {
+            "version": STATE_VERSION,
+            "phase": self.phase.value,
+            "trials": [trial_to_dict(t) for t in self.trials],
+            "best_settings": self.best_settings,
+            "start": None if self.start is None else self.start.to_loader_kwargs(),
+            "target": None if target is None else target.to_loader_kwargs(),
+            "settled_step": self.settled_step,
+            "diagnosis": self.diagnosis,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        phase = state.get("phase", Phase.TUNING.value)
+        self.trials = [trial_from_dict(t) for t in state.get("trials", [])]
+        self.best_settings = state.get("best_settings")
+        self.settled_step = state.get("settled_step")
+        self.diagnosis = state.get("diagnosis", "")
+        start, target = state.get("start"), state.get("target")
+        self.start = None if start is None else LoaderSettings.from_dict(start)
+        if self.observe_only:
+            return
+        settled = phase == Phase.SETTLED.value
+        self.phase = Phase.SETTLED if settled else Phase.TUNING
+        if settled and self.best_settings is not None:
+            target = self.best_settings
+        if target is not None:
+            self.target = LoaderSettings.from_dict(target)
+
+    def report_content(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~lightning_dltune.report.build_report` this state provides."""
+        return {
+            "trials": self.trials,
+            "start": self.start,
+            "settled": self.result,
+            "phase": self.phase.value,
+            "diagnosis": self.diagnosis,
+        }
+
+
+def decision_text(decision: Decision) -> str:
+    if decision.action == "try":
+        return f"try {decision.settings.describe()}: {decision.reason}"
+    if decision.action == "settle":
+        return f"settle on {decision.settings.describe()}: {decision.reason}"
+    if decision.action == "hold":
+        return f"stay for the rest of this run: {decision.reason}"
+    return f"keep measuring: {decision.reason}"
+
+
+def batches_left(
+    batches: float, max_epochs: int | None, epoch: int, done: float, max_steps: int, global_step: int, by_steps: bool
+) -> int | None:
+    """Training batches left in ``fit`` after ``done`` batches of epoch ``epoch`` (``None``: unbounded).
+    ``by_steps``: one optimizer step per batch, so ``max_steps`` bounds the batches too."""
+    if not math.isfinite(batches):
+        return None
+    left: float | None = None
+    if max_epochs is not None and max_epochs >= 0:
+        left = (max_epochs - epoch) * batches - done
+    if max_steps >= 0 and by_steps:
+        left = max_steps - global_step if left is None else min(left, max_steps - global_step)
+    return None if left is None else max(0, int(left))
+
+
+@dataclass
+class WindowPlan:
+    """When a measurement window closes. ``"epoch"``: at epoch ends (short epochs pooled until ``min_steps``).
+    ``"in_epoch"``: every ``window_steps``. ``"auto"``: in-epoch in long epochs (``8 * window_steps`` batches, or
+    a first window predicting over a minute), and at once in any epoch whose stall is plainly the loader's."""
+
+    mode: str = "auto"
+    window_steps: int = 20
+    min_steps: int = 8
+    in_epoch: bool = field(default=False)
+
+    def epoch_started(self, resumable: bool, tuning: bool, epoch_batches: float) -> None:
+        long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
+        self.in_epoch = resumable and tuning and (self.mode == "in_epoch" or long_epoch or self.in_epoch)
+
+    def close_in_epoch(
+        self, steps: int, stall: float, left: float, distributed: bool, epoch_seconds: Callable[[], float]
+    ) -> bool:
+        """Whether the window closes now, ``left`` batches before the epoch's end. ``epoch_seconds`` predicts
+        the epoch's length (called at most once a window, and on every rank alike)."""
+        obvious = not distributed and stall >= _OBVIOUS_STALL  # a rank-local test would split the ranks
+        if not (steps >= self.window_steps or (steps >= self.min_steps and obvious)):
+            return False
+        if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
+            self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S
+        # long epochs switch every window; a short one once the loader is plainly the bottleneck
+        return left > self.min_steps and (self.in_epoch or (self.mode == "auto" and obvious))

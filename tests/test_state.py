@@ -1,0 +1,243 @@
+"""The tuning state and the window plan, without a Trainer: phase transitions, hold, failure, resume state."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_dltune.decide import Budget
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.state import Phase, TuningState, WindowPlan, batches_left
+
+BUDGET = Budget(cpus=2.0, max_workers=16)
+ZERO = LoaderSettings()
+FOUR = LoaderSettings.normalized(4)
+EIGHT = LoaderSettings.normalized(8)
+
+
+def stats(wait_ms: float, step_ms: float = 10.0, steps: int = 10, batch: int = 16) -> WindowStats:
+    wall = (wait_ms + step_ms) / 1e3 * steps
+    return WindowStats(
+        steps=steps,
+        samples=steps * batch,
+        wall_s=wall,
+        wait_s=wait_ms / 1e3 * steps,
+        step_s=step_ms / 1e3 * steps,
+        wait_p50_s=wait_ms / 1e3,
+        wait_p90_s=wait_ms / 1e3,
+        fetch_cpu_s=0.0,
+    )
+
+
+def started(settings: LoaderSettings = ZERO, **kwargs) -> TuningState:
+    state = TuningState(**kwargs)
+    assert state.loader_seen(settings) and not state.loader_seen(settings)  # only the first loader is the start
+    state.current = settings
+    return state
+
+
+def judge(state: TuningState, window: WindowStats, remaining: int | None = None, step: int = 0, budget=BUDGET):
+    decision = state.decide(window, budget, remaining)
+    return decision, state.apply(decision, window, budget, step)
+
+
+def test_phase_is_a_str_enum_that_reads_as_before():
+    assert Phase.SETTLED == "settled" and str(Phase.HELD) == "held"
+    assert TuningState().phase is Phase.TUNING and TuningState(observe_only=True).phase is Phase.OBSERVING
+
+
+@pytest.mark.parametrize(
+    ("window", "remaining", "action", "phase", "change"),
+    [
+        (stats(wait_ms=160), None, "try", Phase.TUNING, True),  # a plain stall at 0 workers: jump
+        (stats(wait_ms=0.1), None, "settle", Phase.SETTLED, True),  # no stall: settle on the start
+        (stats(wait_ms=160), 2, "hold", Phase.HELD, False),  # two steps left cannot pay for a start-up
+    ],
+)
+def test_one_window_moves_the_phase(window, remaining, action, phase, change):
+    state = started()
+    decision, applied = judge(state, window, remaining, step=7)
+    assert decision.action == action and state.phase is phase
+    assert (applied is not None) is change
+    assert state.trials[-1].decision.startswith({"try": "try", "settle": "settle on", "hold": "stay"}[action])
+    if action == "try":
+        assert state.target == decision.settings and state.target.num_workers > 4
+        assert state.best_settings is None and state.settled_step is None
+    else:
+        assert state.settled_step == 7 and state.best_settings == ZERO.to_loader_kwargs() and state.diagnosis
+
+
+def test_held_keeps_the_plan_for_a_resumed_run_and_a_new_fit_tunes_again():
+    state = started()
+    decision, _ = judge(state, stats(wait_ms=160), remaining=2)
+    assert state.phase is Phase.HELD and state.held == decision
+    assert state.state_dict()["target"] == decision.settings.to_loader_kwargs()  # the plan, not the running config
+    assert state.cacheable() is None  # held on the starting config: nothing worth caching
+    assert state.headline().startswith("stays on workers=0 for the rest of this run")
+    state.begin_fit()
+    assert state.phase is Phase.TUNING and state.held is None
+
+
+def test_a_held_config_that_beat_the_start_is_cacheable():
+    state, roomy = started(), Budget(cpus=2.0, max_workers=64)  # room for more workers: not settled at the cap
+    judge(state, stats(wait_ms=160), budget=roomy)
+    state.current = state.target
+    judge(state, stats(wait_ms=30, step_ms=4), remaining=1, budget=roomy)  # a faster step: more workers wanted
+    assert state.phase is Phase.HELD
+    assert state.cacheable() == state.current != ZERO
+
+
+def test_observing_and_disabled_only_record():
+    for state in (started(observe_only=True), started()):
+        if state.phase is Phase.TUNING:
+            state.disable()
+        assert judge(state, stats(wait_ms=160)) == (None, None)
+        assert state.phase in (Phase.OBSERVING, Phase.DISABLED) and len(state.trials) == 1
+        assert state.trials[0].decision == "" and state.target is None
+
+
+def test_failure_falls_back_to_the_best_measured_config_and_never_reuses_the_failed_one():
+    state = started()
+    judge(state, stats(wait_ms=160))
+    state.current = EIGHT
+    fallback = state.fail(stats(wait_ms=1, steps=2), "a DataLoader worker died: killed", BUDGET, step=30)
+    assert fallback == ZERO  # the only config measured that did not fail
+    assert state.phase is Phase.SETTLED and state.settled_step == 30 and state.target == ZERO
+    assert state.trials[-1].failed.startswith("a DataLoader worker died") and not state.trials[-1].usable
+    assert state.best_settings == ZERO.to_loader_kwargs()
+
+
+def test_failures_are_bounded():
+    state = started(FOUR)
+    for _ in range(3):
+        assert state.fail(WindowStats(), "workers failed to start: boom", BUDGET, step=0) is not None
+    assert state.fail(WindowStats(), "workers failed to start: boom", BUDGET, step=0) is None
+    assert state.recoveries == 3
+
+
+def test_only_the_tuners_own_worker_changes_count_as_its_failures():
+    state = started(FOUR)
+    assert not state.tuner_changed_workers()
+    state.current = FOUR.with_prefetch(4)  # same workers, deeper prefetch: a failure is the user's
+    assert not state.tuner_changed_workers()
+    state.current = EIGHT
+    assert state.tuner_changed_workers()
+
+
+def test_cache_hit_is_verified_by_its_first_window_and_only_then():
+    state = started()
+    assert state.start_from_cache(FOUR, {"samples_per_s": 1000.0})
+    state.current = FOUR
+    decision, applied = judge(state, stats(wait_ms=0.1))
+    assert decision.action == "settle" and "cached settings verified" in decision.reason
+    assert state.cache_hit and state.phase is Phase.SETTLED and applied is not None
+    late = started()
+    judge(late, stats(wait_ms=160))
+    assert not late.start_from_cache(FOUR, {})  # too late: tuning already moved on
+
+
+def test_state_dict_round_trips_through_primitives():
+    state = started()
+    judge(state, stats(wait_ms=160))
+    saved = state.state_dict()
+    assert all(isinstance(v, (int, str, list, dict, type(None))) for v in saved.values())
+    restored = TuningState()
+    restored.load_state_dict(saved)
+    assert restored.trials == state.trials and restored.target == state.target and restored.start == ZERO
+    assert restored.phase is Phase.TUNING
+
+
+def test_a_settled_checkpoint_resumes_settled_on_its_result_and_old_checkpoints_load():
+    state = started()
+    judge(state, stats(wait_ms=0.1))
+    restored = TuningState()
+    restored.load_state_dict(state.state_dict())
+    assert restored.phase is Phase.SETTLED and restored.target == ZERO
+    observer = TuningState(observe_only=True)
+    observer.load_state_dict(state.state_dict())
+    assert observer.phase is Phase.OBSERVING and observer.target is None  # observe-only never aims
+    empty = TuningState()
+    empty.load_state_dict({})  # a checkpoint from before the tuner existed
+    assert empty.phase is Phase.TUNING and empty.trials == []
+
+
+def test_finish_gives_a_result_and_says_when_tuning_had_not_settled():
+    state = started()
+    judge(state, stats(wait_ms=160))
+    state.finish(BUDGET)
+    assert state.best_settings == ZERO.to_loader_kwargs()
+    assert state.diagnosis.endswith("(tuning had not settled when training ended.)")
+    assert state.report_content()["phase"] == "tuning" and state.report_content()["trials"] == state.trials
+
+
+@pytest.mark.parametrize(
+    ("args", "left"),
+    [
+        ((100, 3, 0, 10, -1, 10, True), 290),  # epochs bound the run
+        ((100, 3, 0, 10, 50, 10, True), 40),  # max_steps is tighter
+        ((100, 3, 0, 10, 50, 10, False), 290),  # steps are not batches (accumulation): only epochs count
+        ((100, -1, 0, 10, -1, 10, True), None),  # unbounded
+        ((float("inf"), 3, 0, 10, -1, 10, True), None),  # an iterable of unknown length
+    ],
+)
+def test_batches_left(args, left):
+    assert batches_left(*args) == left
+
+
+@pytest.mark.parametrize(
+    ("mode", "steps", "stall", "left", "distributed", "epoch_s", "closes"),
+    [
+        ("in_epoch", 20, 0.1, 100, False, 1.0, True),  # a full window in in-epoch mode
+        ("in_epoch", 10, 0.1, 100, False, 1.0, False),  # not full yet
+        ("in_epoch", 20, 0.1, 5, False, 1.0, False),  # too close to the epoch's end: the epoch end judges
+        ("auto", 8, 0.9, 100, False, 1.0, True),  # plainly the loader: close after min_steps
+        ("auto", 8, 0.9, 100, True, 1.0, False),  # ... but never on a rank-local test under DDP
+        ("auto", 20, 0.1, 100, False, 1.0, False),  # a short epoch waits for its end
+        ("auto", 20, 0.1, 100, False, 120.0, True),  # a first window predicting a long epoch goes in-epoch
+        ("epoch", 20, 0.9, 100, False, 120.0, False),  # epoch mode never closes inside an epoch
+    ],
+)
+def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
+    plan = WindowPlan(mode=mode, window_steps=20, min_steps=8)
+    plan.epoch_started(resumable=True, tuning=True, epoch_batches=120)
+    asked = []
+    assert plan.close_in_epoch(steps, stall, left, distributed, lambda: asked.append(1) or epoch_s) is closes
+    assert len(asked) <= 1
+
+
+def test_a_long_epoch_or_in_epoch_mode_switches_inside_epochs_only_while_tuning():
+    plan = WindowPlan(mode="auto", window_steps=20, min_steps=8)
+    plan.epoch_started(resumable=True, tuning=True, epoch_batches=160)
+    assert plan.in_epoch
+    plan.epoch_started(resumable=True, tuning=False, epoch_batches=160)
+    assert not plan.in_epoch
+    plan.epoch_started(resumable=False, tuning=True, epoch_batches=1000)
+    assert not plan.in_epoch
+
+
+def _module_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:  # module level: what importing the module pulls in
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_tuning_state_imports_neither_torch_nor_lightning():
+    package = Path(sys.modules["lightning_dltune"].__file__).parent
+    todo, seen = ["lightning_dltune.state"], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        imports = _module_imports(package / (module.split(".", 1)[1] + ".py"))
+        heavy = {m for m in imports if m.split(".")[0] in ("torch", "lightning", "pytorch_lightning")}
+        assert not heavy, f"{module} imports {heavy}: the tuning state must stay pure"
+        todo += [m for m in imports if m.startswith("lightning_dltune.")]
+    assert {"lightning_dltune.decide", "lightning_dltune.measure"} <= seen
