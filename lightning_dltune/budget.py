@@ -4,6 +4,7 @@ tests can point it at a fake ``/proc`` and ``/sys/fs/cgroup`` tree."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +45,15 @@ def _cgroup_paths(root: Path) -> dict[str, str]:
     return out
 
 
+def _ratio(quota: str, period: str) -> float | None:
+    """``quota / period`` in CPUs; ``None`` for "max", -1 or a malformed file (a broken file never raises)."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
 def _ancestors(base: Path, cgroup_path: str) -> list[Path]:
     """The cgroup directory of this process and every parent up to the mount point, nearest first."""
     parts = [p for p in cgroup_path.strip("/").split("/") if p]
@@ -69,17 +79,18 @@ def read_cpu_quota(root: str | os.PathLike[str] = "/") -> tuple[float | None, st
             if not text:
                 continue
             quota, _, period = text.partition(" ")
-            if quota != "max":
-                consider(int(quota) / int(period or 100000), "cgroup v2 cpu.max")
+            value = _ratio(quota, period or "100000")
+            if value is not None:
+                consider(value, "cgroup v2 cpu.max")
         return best
     for controller in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
         base = cg / controller
         if not base.is_dir():
             continue
         for d in _ancestors(base, paths.get("cpu", "/")):
-            q, p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-            if q and p and int(q) > 0:
-                consider(int(q) / int(p), "cgroup v1 cfs quota")
+            value = _ratio(_read(d / "cpu.cfs_quota_us") or "", _read(d / "cpu.cfs_period_us") or "")
+            if value is not None:
+                consider(value, "cgroup v1 cfs quota")
         break
     return best
 
@@ -97,14 +108,33 @@ def read_affinity(root: str | os.PathLike[str] = "/") -> int:
 
 
 def _count_cpu_list(text: str) -> int:
+    """CPUs in a list like ``0-3,8`` (at least 1; a malformed list counts what it can)."""
     n = 0
-    for part in text.split(","):
-        if "-" in part:
-            lo, hi = part.split("-")
-            n += int(hi) - int(lo) + 1
-        elif part:
-            n += 1
+    for part in text.strip().split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            n += int(hi) - int(lo) + 1 if hi else (1 if lo else 0)
+        except ValueError:
+            continue
     return max(1, n)
+
+
+def read_cpuset(root: str | os.PathLike[str] = "/") -> int | None:
+    """CPUs of this process's cgroup cpuset (what the container or job was given), ``None`` when unknown."""
+    root = Path(root)
+    cg = root / "sys/fs/cgroup"
+    paths = _cgroup_paths(root)
+    if "" in paths and (cg / "cgroup.controllers").exists():
+        candidates = [d / "cpuset.cpus.effective" for d in _ancestors(cg, paths[""])]
+    else:
+        base = cg / "cpuset"
+        dirs = _ancestors(base, paths.get("cpuset", "/")) if base.is_dir() else []
+        candidates = [d / name for d in dirs for name in ("cpuset.effective_cpus", "cpuset.cpus")]
+    for path in candidates:
+        text = _read(path)
+        if text:
+            return _count_cpu_list(text)
+    return None
 
 
 def cpu_budget(root: str | os.PathLike[str] = "/", local_world_size: int = 1) -> CpuBudget:
@@ -113,14 +143,19 @@ def cpu_budget(root: str | os.PathLike[str] = "/", local_world_size: int = 1) ->
         raise ValueError(f"`local_world_size` must be >= 1, got {local_world_size}.")
     affinity = read_affinity(root)
     quota, source = read_cpu_quota(root)
-    if quota is not None and quota < affinity:
-        total, bound_by = quota, source or "cgroup"
+    cpuset = read_cpuset(root)
+    # a rank bound to its own CPUs (SLURM --cpu-bind, numactl, torchrun's numa binding) already has its share
+    own_cpus = local_world_size > 1 and cpuset is not None and affinity < cpuset
+    by_affinity = float(affinity) if own_cpus else affinity / local_world_size
+    by_quota = None if quota is None else quota / local_world_size  # a quota is the whole job's
+    if by_quota is not None and by_quota < by_affinity:
+        cpus, bound_by = by_quota, source or "cgroup"
     else:
-        total, bound_by = float(affinity), "affinity"
-    if local_world_size > 1:
+        cpus, bound_by = by_affinity, "affinity" + (" (this rank's own CPUs)" if own_cpus else "")
+    if local_world_size > 1 and not (own_cpus and bound_by.startswith("affinity")):
         bound_by += f" / {local_world_size} local ranks"
     return CpuBudget(
-        cpus=max(total / local_world_size, 0.5),
+        cpus=max(cpus, 0.5),
         bound_by=bound_by,
         affinity=affinity,
         quota=quota,
@@ -159,11 +194,24 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+def _stat(path: Path, key: str) -> int:
+    """One counter of a ``memory.stat`` file (0 when absent or malformed)."""
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
 def read_mem_available(root: str | os.PathLike[str] = "/") -> float:
     """``MemAvailable`` from ``/proc/meminfo``, in bytes."""
     for line in (_read(Path(root) / "proc/meminfo") or "").splitlines():
         if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
+            with contextlib.suppress(IndexError, ValueError):
+                return float(line.split()[1]) * 1024
     import psutil
 
     return float(psutil.virtual_memory().available)
@@ -177,15 +225,18 @@ def read_cgroup_memory_headroom(root: str | os.PathLike[str] = "/") -> tuple[flo
     best: tuple[float | None, float | None] = (None, None)
     if "" in paths and (cg / "cgroup.controllers").exists():
         dirs, limit_file, usage_file = _ancestors(cg, paths[""]), "memory.max", "memory.current"
+        cache_key = "inactive_file"
     else:
         base = cg / "memory"
         dirs = _ancestors(base, paths.get("memory", "/")) if base.is_dir() else []
-        limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        limit_file, usage_file, cache_key = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
     for d in dirs:
         limit = _read_int(d / limit_file)
         if limit is None or limit >= 2**60:  # v1 spells "no limit" as a huge number
             continue
-        headroom = float(limit - (_read_int(d / usage_file) or 0))
+        # the working set, as cAdvisor and the OOM killer see it: usage less the page cache it can reclaim
+        usage = (_read_int(d / usage_file) or 0) - _stat(d / "memory.stat", cache_key)
+        headroom = float(limit - max(0, usage))
         if best[1] is None or headroom < best[1]:
             best = (float(limit), headroom)
     return best

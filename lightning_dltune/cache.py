@@ -1,9 +1,13 @@
 """A small JSON cache of settled loader settings, keyed by what makes them valid.
 
 The key holds the host (usable CPUs, memory), the accelerator, the dataset's class and length, the batch
-size, the local world size and the library version: change any of them and the cached result no longer
-applies. Writes go through a temporary file and a rename; a corrupt or foreign file is ignored with one
-warning and replaced on the next write.
+size, the local world size, the limits the user set (``max_workers``, ``max_prefetch``, ``max_memory``), the
+workers' start method and the library version: change any of them and the cached result no longer applies.
+Each entry also stores a fingerprint of the per-sample cost (a few samples loaded in the main process); a
+later run whose samples cost more than twice as much, or less than half, does not use the entry (a heavier
+transform is not the same workload). Writes go through a temporary file and a rename; a corrupt or foreign
+file is ignored with one warning and replaced on the next write. ``dltune cache list`` / ``dltune cache clear``
+show and reset it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from lightning_dltune.settings import LoaderSettings
 CACHE_FORMAT = "lightning-dltune-cache"
 CACHE_VERSION = 1
 CACHE_ENV = "DLTUNE_CACHE"
+FINGERPRINT_SAMPLES = 3
+FINGERPRINT_TOLERANCE = 2.0  # a per-sample cost within a factor of 2 of the cached one is the same workload
 
 
 def default_cache_path() -> Path:
@@ -75,6 +83,16 @@ class TuningCache:
             return {}
         return data["entries"]
 
+    def entries(self) -> list[dict[str, Any]]:
+        """Every valid entry, oldest first."""
+        return sorted((e for e in self._entries().values() if isinstance(e, dict)), key=lambda e: e.get("saved", ""))
+
+    def clear(self) -> int:
+        """Remove the cache file; the number of entries it held."""
+        count = len(self._entries())
+        self.path.unlink(missing_ok=True)
+        return count
+
     def get(self, fields: dict[str, Any]) -> tuple[LoaderSettings, dict[str, Any]] | None:
         """The cached settings for ``fields`` and their whole entry, or ``None``."""
         entry = self._entries().get(cache_key(fields))
@@ -106,14 +124,19 @@ def entry_extra(trial: Trial | None) -> dict[str, Any]:
     return {"samples_per_s": trial.stats.samples_per_s, "stall_frac": trial.stats.effective_stall_frac}
 
 
-def key_fields(loader: Any, cpus: float, accelerator: str, local_world_size: int) -> dict[str, Any]:
-    """The key of ``loader``'s entry: what must be the same for its settled settings to apply."""
+def key_fields(
+    loader: Any, cpus: float, accelerator: str, local_world_size: int, limits: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The key of ``loader``'s entry: what must be the same for its settled settings to apply. ``limits``: the
+    tuner arguments that bound the search (a config settled under ``max_workers=1`` is not valid under 8)."""
     import psutil
 
     from lightning_dltune import __version__
 
     dataset = loader.dataset
     return {
+        "limits": dict(limits or {}),
+        "start_method": start_method(loader),
         "cpus": cpus,
         "memory_gib": round(psutil.virtual_memory().total / 2**30),
         "accelerator": accelerator,
@@ -144,20 +167,73 @@ class RunCache:
     def __init__(self, option: str | os.PathLike[str] | bool | None) -> None:
         self.option = None if option is True else option
         self.fields: dict[str, Any] | None = None
+        self.fingerprint: float | None = None
 
     @property
     def path(self) -> Path:
         return default_cache_path() if self.option is None else Path(str(self.option))
 
     def lookup(
-        self, loader: Any, cpus: float, device: Any, local_world_size: int
+        self, loader: Any, cpus: float, device: Any, local_world_size: int, limits: dict[str, Any] | None = None
     ) -> tuple[LoaderSettings, dict[str, Any]] | None:
+        """The cached settings and entry for ``loader``, if its key matches and its samples cost the same."""
         if self.option is False:
             return None
-        self.fields = key_fields(loader, cpus, accelerator_name(device), local_world_size)
-        return TuningCache(self.path).get(self.fields)
+        self.fields = key_fields(loader, cpus, accelerator_name(device), local_world_size, limits)
+        self.fingerprint = sample_cost_s(loader.dataset)
+        hit = TuningCache(self.path).get(self.fields)
+        if hit is None or not same_cost(hit[1].get("sample_cost_s"), self.fingerprint):
+            return None
+        return hit
 
     def remember(self, settings: LoaderSettings | None, trial: Trial | None) -> None:
-        if self.option is False or self.fields is None or settings is None:
-            return
-        TuningCache(self.path).put(self.fields, settings, entry_extra(trial))
+        if self.option is False or self.fields is None or settings is None or trial is None:
+            return  # only a measured config is cached: a fallback nobody measured would always "verify"
+        TuningCache(self.path).put(self.fields, settings, {**entry_extra(trial), "sample_cost_s": self.fingerprint})
+
+
+def start_method(loader: Any) -> str:
+    """How the loader's workers start (``fork``, ``spawn``, ``forkserver``): it changes their start-up cost."""
+    import torch.multiprocessing as mp
+
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is not None:
+        return str(context.get_start_method())
+    return str(mp.get_start_method(allow_none=True) or mp.get_context().get_start_method())
+
+
+def sample_cost_s(dataset: Any, samples: int = FINGERPRINT_SAMPLES) -> float | None:
+    """Median seconds to load one sample in this process, over the first few: a cheap fingerprint of the
+    per-sample cost. ``None`` when the dataset has no length or cannot be indexed. The random states are kept
+    as they were, so a dataset that draws random numbers does not change the run's order."""
+    import numpy as np
+    import torch
+
+    try:
+        count = min(samples, len(dataset))
+    except TypeError:
+        return None
+    times = []
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for index in range(count):
+                t0 = time.perf_counter()
+                dataset[index]
+                times.append(time.perf_counter() - t0)
+    except Exception:
+        return None
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    return statistics.median(times) if times else None
+
+
+def same_cost(cached: Any, now: float | None) -> bool:
+    """Whether two per-sample costs are the same workload (a missing one cannot tell them apart)."""
+    if not isinstance(cached, (int, float)) or now is None or cached <= 0 or now <= 0:
+        return True
+    if max(cached, now) < 1e-3:  # samples already in memory: the ratio of two microsecond timings is noise
+        return True
+    ratio = now / cached
+    return 1 / FINGERPRINT_TOLERANCE <= ratio <= FINGERPRINT_TOLERANCE

@@ -217,7 +217,10 @@ class DataLoaderTuner(Callback):
         if not self.state.tuning or self.state.target is not None or self.state.trials or trainer is None:
             return
         assert self.budget is not None
-        hit = self._cache.lookup(loader, self.budget.cpus, trainer.strategy.root_device, int(trainer.num_devices))
+        limits = {"max_workers": self.max_workers, "max_prefetch": self.max_prefetch, "max_memory": self.max_memory}
+        hit = self._cache.lookup(
+            loader, self.budget.cpus, trainer.strategy.root_device, int(trainer.num_devices), limits
+        )
         if hit is not None and self.state.start_from_cache(*hit):
             rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit[0].describe()} ({self._cache.path}).")
 

@@ -1,4 +1,4 @@
-"""The ``dltune`` command: ``dltune demo`` and ``dltune bench TARGET``."""
+"""The ``dltune`` command: ``dltune demo``, ``dltune bench TARGET`` and ``dltune cache list|clear``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefetch", type=_int_list, default=[2, 4], help="prefetch factors to try, e.g. 2,4")
     bench.add_argument("--step-ms", type=float, default=None, help="model step time: flag configs that would stall")
     bench.add_argument("--out", type=Path, default=Path("dltune_runs/bench"), help="where the JSON and plot go")
+    cache = sub.add_parser("cache", help="show or reset the tuning cache of settled settings")
+    cache.add_argument("action", choices=["list", "clear"], help="list the entries, or delete the cache file")
+    cache.add_argument("--path", type=Path, default=None, help="the cache file (default: $DLTUNE_CACHE or ~/.cache)")
     return parser
+
+
+def _cache(action: str, path: Path | None) -> int:
+    from lightning_dltune.cache import TuningCache, default_cache_path
+
+    cache = TuningCache(path or default_cache_path())
+    if action == "clear":
+        print(f"removed {cache.clear()} entries: {cache.path}")
+        return 0
+    entries = cache.entries()
+    print(f"{len(entries)} entries in {cache.path}")
+    for entry in entries:
+        fields, settings = entry.get("fields", {}), entry.get("settings", {})
+        rate = entry.get("samples_per_s")
+        print(
+            f"  {entry.get('saved', '?')}  {fields.get('dataset')} (len {fields.get('dataset_len')}, batch "
+            f"{fields.get('batch_size')}, {fields.get('accelerator')}): workers={settings.get('num_workers')} "
+            f"prefetch={settings.get('prefetch_factor')}" + (f", {rate:.0f} samples/s" if rate else "")
+        )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.out, quick=args.quick, epochs=args.epochs)
         return 0
+    if args.command == "cache":
+        return _cache(args.action, args.path)
     from lightning_dltune.bench import BenchError, run_bench
 
     try:

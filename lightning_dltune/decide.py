@@ -32,7 +32,6 @@ from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
 Action = Literal["measure", "try", "settle", "hold"]
-_CACHE_TOLERANCE = 0.8  # cached settings hold while they deliver 80% of the cached throughput
 
 
 @dataclass(frozen=True)
@@ -449,12 +448,22 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
     )
 
 
-def verify_cached(entry: dict[str, Any], trial: Trial, policy: Policy) -> Decision | None:
-    """The first window of a cache hit: settle on the cached settings if they still hold, else ``None``."""
-    if not trial.usable:
+def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: Policy) -> Decision | None:
+    """The first window of a cache hit: settle on the cached settings if they still hold, else ``None`` (then
+    tuning goes on from them). They hold when the stall is below ``stall_threshold`` and they fit the budget
+    of this run; a throughput like the cached one is not enough (a cached config that always stalled would
+    pass for good)."""
+    s, settings = trial.stats, trial.settings
+    if not trial.usable or s.effective_stall_frac > policy.stall_threshold:
         return None
-    cached_rate = float(entry.get("samples_per_s") or 0.0)
-    stall, rate = trial.stats.effective_stall_frac, trial.stats.samples_per_s
-    if stall <= policy.stall_threshold or rate >= _CACHE_TOLERANCE * cached_rate:
-        return Decision("settle", trial.settings, f"cached settings verified ({rate:.0f} samples/s, stall {stall:.1%})")
-    return None
+    if settings.num_workers > budget.max_workers or (settings.prefetch_factor or 0) > budget.max_prefetch:
+        return None
+    if budget.memory_bytes is not None and settings.num_workers * s.worker_mem_bytes > budget.memory_bytes:
+        return None
+    cached = entry.get("samples_per_s")
+    than = f", cached {float(cached):.0f}" if isinstance(cached, (int, float)) else ""
+    return Decision(
+        "settle",
+        settings,
+        f"cached settings verified ({s.samples_per_s:.0f} samples/s{than}, stall {s.effective_stall_frac:.1%})",
+    )

@@ -135,7 +135,7 @@ class TuningState:
             return None
         trial = Trial(self.current, stats)
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
-        verified = verify_cached(cached, trial, self.policy) if cached is not None else None
+        verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
 
     def apply(self, decision: Decision | None, stats: WindowStats, budget: Budget, step: int) -> Decision | None:

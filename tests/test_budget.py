@@ -126,3 +126,89 @@ def test_real_machine_memory_and_shm():
     assert 0 < b.bytes <= psutil.virtual_memory().total
     shm = shm_free_bytes()
     assert shm is None or shm > 0
+
+
+# --- container layouts (fake trees): page cache, per-rank cpusets, container roots, malformed files ---------
+
+
+def test_cgroup_v2_page_cache_is_not_counted_as_used(v2_tree):
+    from lightning_dltune.budget import memory_budget
+
+    ctr = "sys/fs/cgroup/kubepods/pod1/ctr/"
+    write(v2_tree, "proc/meminfo", "MemAvailable:   64000000 kB\n")
+    write(v2_tree, ctr + "memory.max", str(8 * 2**30))
+    write(v2_tree, ctr + "memory.current", str(8 * 2**30 - 4096))  # an I/O-heavy job: full of page cache
+    write(v2_tree, ctr + "memory.stat", f"anon {2 * 2**30}\nfile {6 * 2**30}\ninactive_file {5 * 2**30}\n")
+    assert memory_budget(v2_tree, fraction=1.0).bytes == 5 * 2**30 + 4096  # 8 GiB less the 3 GiB working set
+
+
+def test_cgroup_v1_page_cache_is_not_counted_as_used(tmp_path):
+    from lightning_dltune.budget import memory_budget
+
+    write(tmp_path, "proc/self/cgroup", "5:memory:/docker/abc\n")
+    write(tmp_path, "proc/meminfo", "MemAvailable:   64000000 kB\n")
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", str(4 * 2**30))
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", str(4 * 2**30))
+    write(tmp_path, "sys/fs/cgroup/memory/docker/abc/memory.stat", f"cache 1\ntotal_inactive_file {3 * 2**30}\n")
+    assert memory_budget(tmp_path, fraction=1.0).bytes == 3 * 2**30
+
+
+def test_a_container_root_cgroup_is_read(tmp_path):
+    """Inside a container the process sits at the namespace's root, "0::/": the limits are on the mount itself."""
+    from lightning_dltune.budget import memory_budget
+
+    write(tmp_path, "proc/self/cgroup", "0::/\n")
+    write(tmp_path, "proc/self/status", "Cpus_allowed_list:\t0-31\n")
+    write(tmp_path, "proc/meminfo", "MemAvailable:   64000000 kB\n")
+    write(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpu memory\n")
+    write(tmp_path, "sys/fs/cgroup/cpu.max", "400000 100000\n")
+    write(tmp_path, "sys/fs/cgroup/memory.max", str(2 * 2**30))
+    write(tmp_path, "sys/fs/cgroup/memory.current", str(2**30))
+    assert (cpu_budget(tmp_path).cpus, cpu_budget(tmp_path).bound_by) == (4.0, "cgroup v2 cpu.max")
+    assert memory_budget(tmp_path, fraction=1.0).bytes == 2**30
+
+
+def test_a_rank_bound_to_its_own_cpus_is_not_divided_again(v2_tree):
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/cpuset.cpus.effective", "0-15\n")
+    write(v2_tree, "proc/self/status", "Cpus_allowed_list:\t4-7\n")  # srun --cpu-bind: this rank's 4 CPUs
+    b = cpu_budget(v2_tree, local_world_size=4)
+    assert b.cpus == 4.0 and "this rank's own CPUs" in b.bound_by
+    write(v2_tree, "proc/self/status", "Cpus_allowed_list:\t0-15\n")  # four ranks sharing the node's 16
+    assert cpu_budget(v2_tree, local_world_size=4).cpus == 4.0
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "800000 100000\n")  # a quota is the whole job's
+    assert cpu_budget(v2_tree, local_world_size=4).cpus == 2.0
+
+
+def test_cgroup_v1_cpuset_per_rank(tmp_path):
+    write(tmp_path, "proc/self/cgroup", "6:cpuset:/slurm/job1\n4:cpu,cpuacct:/slurm/job1\n")
+    write(tmp_path, "proc/self/status", "Cpus_allowed_list:\t0-1\n")
+    write(tmp_path, "sys/fs/cgroup/cpuset/slurm/job1/cpuset.effective_cpus", "0-7\n")
+    assert cpu_budget(tmp_path, local_world_size=4).cpus == 2.0
+
+
+def test_no_cpu_limit_at_all(tmp_path):
+    write(tmp_path, "proc/self/status", "Cpus_allowed_list:\t0-7\n")  # no cgroup files: a bare host
+    b = cpu_budget(tmp_path, local_world_size=2)
+    assert (b.cpus, b.quota, b.bound_by) == (4.0, None, "affinity / 2 local ranks")
+
+
+@pytest.mark.parametrize(
+    ("rel", "text"),
+    [
+        ("sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "garbage\n"),
+        ("sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "100000 zero\n"),
+        ("sys/fs/cgroup/kubepods/pod1/ctr/cpuset.cpus.effective", "0-x,?\n"),
+        ("sys/fs/cgroup/kubepods/pod1/ctr/memory.max", "lots\n"),
+        ("sys/fs/cgroup/kubepods/pod1/ctr/memory.stat", "inactive_file many\n"),
+        ("proc/self/status", "Cpus_allowed_list:\t0-\n"),
+        ("proc/self/cgroup", "::::\n"),
+        ("proc/meminfo", "MemAvailable:\n"),
+    ],
+)
+def test_malformed_cgroup_files_never_raise(v2_tree, rel, text):
+    from lightning_dltune.budget import memory_budget
+
+    write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/memory.max", str(2**30))
+    write(v2_tree, rel, text)
+    assert cpu_budget(v2_tree, local_world_size=2).cpus >= 0.5
+    assert memory_budget(v2_tree).bytes >= 0

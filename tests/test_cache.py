@@ -43,18 +43,21 @@ def test_location_follows_the_environment(tmp_path, monkeypatch):
     assert default_cache_path() == tmp_path / "lightning-dltune" / "cache.json"
 
 
-def fit(tmp_path, tuner, epochs=3):
-    dm = SyntheticDataModule(SyntheticDataset(length=192, latency_ms=10.0), batch_size=16, num_workers=0)
-    make_trainer(tmp_path, [tuner], max_epochs=epochs, logger=False).fit(SimulatedModel(step_ms=20), datamodule=dm)
+def fit(tmp_path, tuner, epochs=3, latency_ms=10.0, step_ms=20):
+    dm = SyntheticDataModule(SyntheticDataset(length=192, latency_ms=latency_ms), batch_size=16, num_workers=0)
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=epochs, logger=False)
+    trainer.fit(SimulatedModel(step_ms=step_ms), datamodule=dm)
     return tuner
 
 
 def test_second_run_starts_from_the_cached_settings_and_only_verifies_them(tmp_path):
-    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"))
-    # settled, or held on a config that beat the start (the last epoch is too short to pay for another switch)
-    assert first.phase in ("settled", "held") and first.best_settings["num_workers"] > 0 and not first.cache_hit
+    # 64 ms to load a batch, a 60 ms step: a few workers hide it, and the ~1 ms a batch takes to cross from a
+    # worker is 2% of the step, well under the 5% threshold; so the settled config is under it again in the
+    # second run (a cached config must be, to be verified; one still stalling is tuned further, tested below)
+    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), latency_ms=4.0, step_ms=60)
+    assert first.phase == "settled" and first.best_settings["num_workers"] > 0 and not first.cache_hit
 
-    second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=2)
+    second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=2, latency_ms=4.0, step_ms=60)
     assert second.cache_hit
     assert second.trials[0].settings.to_loader_kwargs() == first.best_settings  # from its first epoch
     assert len(second.trials) == 1 and "cached settings verified" in second.trials[0].decision
@@ -72,3 +75,59 @@ def test_a_run_too_short_to_tune_does_not_teach_the_cache_its_starting_config(tm
     assert "a longer or resumed run goes on to workers=" in first.diagnosis
     second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=3)
     assert not second.cache_hit and second.best_settings["num_workers"] > 0
+
+
+def only_entry(path):
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    return entry
+
+
+def test_a_config_settled_under_a_tighter_limit_is_not_reused_under_a_looser_one(tmp_path):
+    cache = tmp_path / "c.json"
+    tight = fit(tmp_path / "1", DataLoaderTuner(cache=cache, max_workers=1))
+    assert tight.best_settings["num_workers"] == 1 and not tight.cache_hit
+    loose = fit(tmp_path / "2", DataLoaderTuner(cache=cache, max_workers=8))
+    assert not loose.cache_hit  # the limits are part of the key
+    assert loose.best_settings["num_workers"] > 1, loose.trials
+    assert len(json.loads(cache.read_text())["entries"]) == 2
+
+
+def test_a_cached_config_that_stalls_is_tuned_further_not_verified(tmp_path):
+    cache = tmp_path / "c.json"
+    fit(tmp_path / "1", DataLoaderTuner(cache=cache))
+    data = json.loads(cache.read_text())
+    (entry,) = data["entries"].values()
+    # a stale entry: 1 worker (an 89% stall on this loader) with no throughput recorded, which used to pass
+    entry["settings"] = LoaderSettings.normalized(1).to_loader_kwargs()
+    entry["samples_per_s"] = 0.0
+    cache.write_text(json.dumps(data))
+
+    second = fit(tmp_path / "2", DataLoaderTuner(cache=cache))
+    assert second.cache_hit and second.trials[0].settings.num_workers == 1
+    assert "verified" not in second.trials[0].decision and second.trials[0].decision.startswith("try")
+    assert second.best_settings["num_workers"] > 1
+
+
+def test_a_heavier_per_sample_cost_does_not_pass_for_the_cached_workload(tmp_path):
+    cache = tmp_path / "c.json"
+    fit(tmp_path / "1", DataLoaderTuner(cache=cache))
+    assert only_entry(cache)["sample_cost_s"] > 0.005  # 10 ms per sample, measured
+    heavier = SyntheticDataModule(SyntheticDataset(length=192, latency_ms=30.0), batch_size=16, num_workers=0)
+    tuner = DataLoaderTuner(cache=cache)
+    make_trainer(tmp_path / "2", [tuner], max_epochs=1, logger=False).fit(
+        SimulatedModel(step_ms=20), datamodule=heavier
+    )
+    assert not tuner.cache_hit and tuner.trials[0].settings.num_workers == 0  # same key, other cost: a miss
+
+
+def test_dltune_cache_lists_and_clears(tmp_path, capsys):
+    from lightning_dltune.cli import main
+
+    path = tmp_path / "c.json"
+    TuningCache(path).put(FIELDS, LoaderSettings.normalized(6, 4), {"samples_per_s": 100.0})
+    assert main(["cache", "list", "--path", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"1 entries in {path}") and "x.Y" in out and "workers=6 prefetch=4" in out
+    assert main(["cache", "clear", "--path", str(path)]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out and not path.exists()
+    assert main(["cache", "list", "--path", str(path)]) == 0 and "0 entries" in capsys.readouterr().out
