@@ -211,6 +211,14 @@ def shutdown_workers(loader: Any) -> None:
     _shutdown_workers_and_reset_iterator(loader)
 
 
+def shutdown_iterator(iterator: Iterator[Any]) -> None:
+    """Stop a multi-process loader iterator's workers now (a non-persistent iterator is not held by its loader,
+    so :func:`shutdown_workers` does not reach it)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def detach_from_sigchld(iterator: Iterator[Any]) -> None:
     """Unregister a multi-process iterator's workers from PyTorch's SIGCHLD handler.
 

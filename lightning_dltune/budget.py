@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lightning_dltune._warn import warn_once
 from lightning_dltune.decide import Budget
 from lightning_dltune.settings import LoaderSettings
 
@@ -299,3 +300,10 @@ def shm_warning(settings: LoaderSettings, batch_bytes: float, budget: Budget, fr
         "shared memory (docker run --shm-size=8g, or --ipc=host), or call "
         "torch.multiprocessing.set_sharing_strategy('file_system')."
     )
+
+
+def warn_shm_risk(settings: LoaderSettings | None, batch_bytes: float, budget: Budget | None, fraction: float) -> None:
+    """Warn once, with the fix, when ``settings``' batches in flight may not fit the free /dev/shm."""
+    warning = None if settings is None or budget is None else shm_warning(settings, batch_bytes, budget, fraction)
+    if warning:
+        warn_once("shm-risk", warning)

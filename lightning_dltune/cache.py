@@ -93,6 +93,11 @@ class TuningCache:
         self.path.unlink(missing_ok=True)
         return count
 
+    def drop(self, fields: dict[str, Any]) -> None:
+        entries = self._entries()
+        if entries.pop(cache_key(fields), None) is not None:
+            self._write(entries)
+
     def get(self, fields: dict[str, Any]) -> tuple[LoaderSettings, dict[str, Any]] | None:
         """The cached settings for ``fields`` and their whole entry, or ``None``."""
         entry = self._entries().get(cache_key(fields))
@@ -111,6 +116,9 @@ class TuningCache:
             "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **(extra or {}),
         }
+        self._write(entries)
+
+    def _write(self, entries: dict[str, Any]) -> None:
         try:
             write_json_atomic(self.path, {"format": CACHE_FORMAT, "version": CACHE_VERSION, "entries": entries})
         except OSError as ex:
@@ -186,9 +194,18 @@ class RunCache:
             return None
         return hit
 
+    def forget(self) -> None:
+        """Drop this run's entry."""
+        if self.option is not False and self.fields is not None:
+            TuningCache(self.path).drop(self.fields)
+
     def remember(self, settings: LoaderSettings | None, trial: Trial | None) -> None:
+        """Teach the cache ``settings``, measured by ``trial``; an unmeasured result (a fallback after a failure)
+        drops the entry instead: it would always "verify", and the entry it replaces may be the config that failed."""
+        if settings is not None and trial is None:
+            self.forget()
         if self.option is False or self.fields is None or settings is None or trial is None:
-            return  # only a measured config is cached: a fallback nobody measured would always "verify"
+            return
         TuningCache(self.path).put(self.fields, settings, {**entry_extra(trial), "sample_cost_s": self.fingerprint})
 
 

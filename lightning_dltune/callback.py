@@ -19,9 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dltune._warn import warn_once
 from lightning_dltune.agree import Agreement
-from lightning_dltune.budget import shm_warning, tuner_budget
+from lightning_dltune.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.cache import RunCache
 from lightning_dltune.decide import Budget, Policy
 from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
@@ -303,19 +302,16 @@ class DataLoaderTuner(Callback):
 
     def _measured(self) -> WindowStats:
         stats = self.probe.close()
-        if self.state.current is not None and self.budget is not None:
-            warning = shm_warning(self.state.current, stats.batch_bytes, self.budget, self.policy.shm_fraction)
-            if warning:
-                warn_once("shm-risk", warning)
+        warn_shm_risk(self.state.current, stats.batch_bytes, self.budget, self.policy.shm_fraction)
         return stats
 
     def _fail(self, kind: str, why: str) -> LoaderSettings | None:
         """The running config failed: record it and return the fallback (see ``LoaderSwitcher``)."""
         assert self.budget is not None and self.switcher.trainer is not None
-        was_tuning = self.state.tuning
+        before = self.state.best_settings, self.state.phase
         fallback = self.state.fail(self._measured(), f"{kind}: {why}", self.budget, self.switcher.trainer.global_step)
-        if fallback is not None and was_tuning:
-            self._tuning_ended()
+        if fallback is not None and (self.state.best_settings, self.state.phase) != before:
+            self._tuning_ended()  # a new result: summarized, and the cache no longer holds the failed config
         return fallback
 
     def _tuning_ended(self) -> None:

@@ -109,6 +109,7 @@ class LoaderSwitcher:
         self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
         loader = self._rebuilt(loader, current)
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
+        self._guard_needed = self.resumable  # also when no epoch start follows (Lightning resuming mid-epoch)
         self._fresh = True
         if self.resumable and self.restored_epoch is not None:
             self._resume_epoch(loader.batch_sampler)
@@ -199,6 +200,7 @@ class LoaderSwitcher:
         self._fresh = False
 
     def _before_fetch(self) -> None:
+        self._rng_before_build = None  # only an epoch start right after a build may rewind to it
         if self._guard_needed:
             self._guard_needed = False
             assert self.trainer is not None
@@ -217,6 +219,7 @@ class LoaderSwitcher:
             _lightning.detach_from_sigchld,
             _lightning.worker_died,
             self._startup_failed,
+            _lightning.shutdown_iterator,
         )
 
     def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:

@@ -252,6 +252,10 @@ class StepTimer:
 
     # --- per step ---------------------------------------------------------------------------------------------
     def fetch_started(self) -> None:
+        if self._requested_at is not None:
+            # a loader built with no epoch start after it (Lightning resuming mid-epoch skips that hook): its
+            # build is start-up, and the steps from here are measured as after an epoch start
+            self.epoch_started()
         self._fetch_t0 = self._clock()
         self._fetch_c0 = self._cpu_clock()
 

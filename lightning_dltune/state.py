@@ -174,7 +174,7 @@ class TuningState:
             fallback = self.start
         else:
             fallback = failed.with_workers(failed.num_workers // 2)
-        if self.tuning:
+        if self.tuning or self.result == failed:  # the result may not be a config that failed
             self._stop(Phase.SETTLED, fallback, budget, step)
         self.target = fallback
         return fallback

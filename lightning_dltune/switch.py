@@ -35,8 +35,15 @@ class ResumableBatchSampler(BatchSampler):
         super().__init__(sampler, batch_size, drop_last)
         self._order: array | None = None
         self._resume: int | None = None
+        self.offset = 0  # the batch of the epoch the latest iteration starts at
 
     def __iter__(self) -> Iterator[list[int]]:
+        # known as soon as the iterator is asked for; the resume itself is taken when the first batch is drawn,
+        # since a DataLoader iterator may ask twice before drawing (PyTorch's workers reset once more on start)
+        self.offset = self._resume if self._resume is not None and self._order is not None else 0
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[int]]:
         start, self._resume = self._resume, None
         if start is None or self._order is None:
             order = array("q")
@@ -94,6 +101,8 @@ class GuardedIterator(Iterator[Any]):
         prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
         worker_dead: whether one of an inner iterator's worker processes has died.
         on_error: ``on_error(error, loader, position) -> new_loader | None`` for any other error of a fetch.
+        close: stops an inner iterator's workers; called on the old one before a new one starts, so two worker
+            sets are never alive at once (an OOM recovery must not OOM again).
     """
 
     def __init__(
@@ -105,15 +114,18 @@ class GuardedIterator(Iterator[Any]):
         prepare: Callable[[Iterator[Any]], None],
         worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False,
         on_error: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None,
+        close: Callable[[Iterator[Any]], None] = lambda it: None,
     ) -> None:
         self.loader = loader
         self.inner = inner
-        self.position = 0
+        # batches of the epoch already delivered: where the loader's sampler started (a resumed epoch starts late)
+        self.position = int(getattr(loader.batch_sampler, "offset", 0))
         self._replace = replace
         self._on_death = on_death
         self._prepare = prepare
         self._worker_dead = worker_dead
         self._on_error = on_error
+        self._close = close
         prepare(inner)
 
     def __next__(self) -> Any:
@@ -142,6 +154,7 @@ class GuardedIterator(Iterator[Any]):
         if not isinstance(sampler, ResumableBatchSampler):
             raise TypeError("a replacement loader must keep the ResumableBatchSampler of the epoch")
         sampler.resume_at(self.position)
+        self._close(self.inner)
         with torch.random.fork_rng(devices=[]):
             inner = iter(new)
         self._prepare(inner)

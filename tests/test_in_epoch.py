@@ -192,3 +192,55 @@ def test_a_short_epoch_switches_once_the_stall_is_obvious_unless_told_to_wait(tm
     else:
         assert tuner.trials[0].stats.steps == 59  # the whole first epoch but its start-up step
         assert first_epoch == {0}
+
+
+def test_a_worker_dying_after_settling_moves_the_result_the_cache_and_the_checkpoint_off_it(tmp_path):
+    import json
+
+    cache = tmp_path / "cache.json"
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=1, workers=4)
+    # one trial: the first window (20 steps) settles on the starting 4 workers; the kill comes after it
+    tuner = DataLoaderTuner(mode="in_epoch", max_trials=1, cache=cache)
+    killer = KillAWorker(at_batch=40)
+    with pytest.warns(DLTuneWarning, match=r"a DataLoader worker died .*continued epoch 0 at batch \d+"):
+        tuned = run(tmp_path / "b", tuner, "mixin", epochs=1, workers=4, extra=[killer])
+    assert tuned == reference
+    assert tuner.trials[0].decision.startswith("settle on workers=4") and tuner.trials[-1].failed
+    assert tuner.best_settings["num_workers"] != 4 and tuner.phase == "settled"
+    assert tuner.state_dict()["best_settings"] == tuner.best_settings
+    entries = json.loads(cache.read_text())["entries"].values() if cache.exists() else []
+    assert all(e["settings"]["num_workers"] != 4 for e in entries)  # the cache does not keep the dead config
+
+
+class CountWorkersAtStart:
+    """A ``worker_init_fn`` that records how many worker processes the trainer has when a worker starts."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __call__(self, worker_id):
+        parent = psutil.Process(os.getppid())
+        alive = [p for p in parent.children() if p.status() != psutil.STATUS_ZOMBIE]
+        with open(self.path, "a") as fh:
+            fh.write(f"{len(alive)}\n")
+
+
+def test_an_in_epoch_switch_stops_the_old_workers_before_the_new_ones_start(tmp_path):
+    counts = tmp_path / "counts.txt"
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(
+                SyntheticDataset(length=480, latency_ms=2.0),
+                batch_size=8,
+                shuffle=True,
+                num_workers=2,  # non-persistent: the loader does not hold its iterator
+                worker_init_fn=CountWorkersAtStart(counts),
+            )
+
+    tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False)
+    make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(M(step_ms=1))
+    configs = [t.settings.num_workers for t in tuner.trials]
+    assert len(set(configs)) >= 2, tuner.trials  # it switched inside the epoch
+    seen = [int(n) for n in counts.read_text().split()]
+    assert max(seen) <= max(configs), seen  # never the old workers and the new ones together

@@ -1,5 +1,6 @@
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dltune import DataLoaderTuner
@@ -108,3 +109,32 @@ def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
             tmp_path / "c", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False), ckpt_path=ckpt
         )
     assert head + tail == reference  # no sample lost or repeated across the restart
+
+
+def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
+    """Lightning skips `on_train_epoch_start` when it resumes mid-epoch: the guard, the position and the
+    start-up accounting must come back without it, so a second checkpoint in the same epoch is exact too."""
+
+    def run(path, tuner, **kwargs):
+        pl.seed_everything(11, workers=True)
+        seen = Indices()
+        dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
+        fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
+        return seen.seen
+
+    def tuner():
+        return DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False)
+
+    reference = run(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    head = run(tmp_path / "a", tuner(), every_n_steps=25, max_steps=25)
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        middle = run(
+            tmp_path / "b", tuner(), every_n_steps=40, max_steps=40, ckpt_path=tmp_path / "a/ckpt/epoch=0-step=25.ckpt"
+        )
+    second = tmp_path / "b" / "ckpt" / "epoch=0-step=40.ckpt"
+    assert second.exists() and len(middle) == 15 * 8
+    state = next(v for k, v in torch.load(second, weights_only=False)["callbacks"].items() if "DataLoaderTuner" in k)
+    assert state["epoch_batch"] == 40  # the position in the epoch, not in the resumed iterator
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        tail = run(tmp_path / "c", tuner(), ckpt_path=second)
+    assert head + middle + tail == reference  # no sample lost or repeated across two restarts
