@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.utilities import rank_zero_warn
 
 
@@ -12,12 +14,16 @@ class DLTuneWarning(UserWarning):
 _seen: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> None:
-    """Warn on rank zero the first time ``key`` is seen in this process."""
+def warn_once(key: str, message: str, every_rank: bool = False) -> None:
+    """Warn the first time ``key`` is seen in this process: on rank zero, or on ``every_rank`` for what only
+    one rank saw (a worker dying there)."""
     if key in _seen:
         return
     _seen.add(key)
-    rank_zero_warn(message, category=DLTuneWarning)
+    if every_rank:
+        warnings.warn(message, DLTuneWarning, stacklevel=2)
+    else:
+        rank_zero_warn(message, category=DLTuneWarning)
 
 
 def reset_warnings() -> None:

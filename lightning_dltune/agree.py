@@ -9,6 +9,7 @@ takes tensors on the GPU: every tensor is made on ``strategy.root_device``. In a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ import torch
 
 from lightning_dltune.decide import Budget
 from lightning_dltune.measure import WindowStats
+from lightning_dltune.settings import LoaderSettings
 
 T = TypeVar("T")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
@@ -35,6 +37,7 @@ class Agreement:
         self.strategy = strategy
         self.budget: Budget | None = None
         self.stall_spread: float | None = None
+        self.failures: list[LoaderSettings] = []
 
     @property
     def distributed(self) -> bool:
@@ -44,20 +47,27 @@ class Agreement:
         return torch.tensor(values, dtype=torch.float64, device=self.strategy.root_device)
 
     def decide(
-        self, stats: WindowStats, budget: Budget, choose: Callable[[WindowStats, Budget], T]
+        self,
+        stats: WindowStats,
+        budget: Budget,
+        choose: Callable[[WindowStats, Budget, list[LoaderSettings]], T],
+        failed: LoaderSettings | None = None,
     ) -> tuple[WindowStats, Budget, T]:
-        """``choose`` on the slowest rank's ``stats`` and the tightest ``budget``, the same on every rank."""
+        """``choose`` on the slowest rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
+        (one that failed on that rank alone since the last decision point), the same on every rank.
+        :attr:`failures` keeps the configs gathered."""
+        self.failures = [] if failed is None else [failed]
         if self.distributed:
-            stats, budget = self._reduce(stats, budget)
-        choice = choose(stats, budget)
+            stats, budget = self._reduce(stats, budget, failed)
+        choice = choose(stats, budget, self.failures)
         if self.distributed and choice is not None:
             choice = self.strategy.broadcast(choice, src=0)  # every rank must switch at the same step
         return stats, budget, choice
 
-    def _reduce(self, stats: WindowStats, budget: Budget) -> tuple[WindowStats, Budget]:
+    def _reduce(self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed)
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
         col = _STATS_FIELDS.index
         per_sample = table[:, col("wall_s")] / table[:, col("samples")].clamp(min=1)
@@ -67,7 +77,9 @@ class Agreement:
             values[name] = int(values[name])
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
         self.stall_spread = float(stall.max() - stall.min())
-        tightest = table[:, len(_STATS_FIELDS) :].min(dim=0).values.tolist()
+        n = len(_STATS_FIELDS)
+        tightest = table[:, n : n + 4].min(dim=0).values.tolist()
+        self.failures = list(dict.fromkeys(f for r in table[:, n + 4 :].tolist() if (f := _decode(r)) is not None))
         self.budget = dataclasses.replace(
             budget,
             cpus=tightest[0],
@@ -77,6 +89,17 @@ class Agreement:
             shm_bytes=None if tightest[3] == inf else tightest[3],
         )
         return WindowStats(**values), self.budget
+
+    def same_start(self, key: str, choice: T | None) -> T | None:
+        """Rank 0's ``choice`` (a cache hit) on every rank, if every rank's ``key`` is the same; else ``None``
+        everywhere: ranks that start on different configs would reload at different times and wait forever."""
+        if not self.distributed:
+            return choice
+        digest = int.from_bytes(hashlib.sha1(key.encode()).digest()[:7], "big")
+        keys = self.strategy.all_gather(torch.tensor([digest], dtype=torch.int64, device=self.strategy.root_device))
+        if bool((keys != keys.reshape(-1)[0]).any()):
+            return None
+        return self.strategy.broadcast(choice, src=0)
 
     def largest(self, value: float) -> float:
         """The largest ``value`` over the ranks."""
@@ -91,3 +114,17 @@ class Agreement:
         stalls = self.strategy.all_gather(self._tensor([stall]))
         self.stall_spread = float(stalls.max() - stalls.min())
         return self.stall_spread
+
+
+def _encode(settings: LoaderSettings | None) -> list[float]:
+    if settings is None:
+        return [-1.0, 0.0, 0.0, 0.0]
+    s = settings
+    return [float(s.num_workers), float(s.prefetch_factor or 0), float(s.pin_memory), float(s.persistent_workers)]
+
+
+def _decode(row: list[float]) -> LoaderSettings | None:
+    workers, prefetch, pin, persistent = row
+    if workers < 0:
+        return None
+    return LoaderSettings.normalized(int(workers), int(prefetch) or None, bool(pin), bool(persistent))

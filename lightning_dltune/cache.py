@@ -194,6 +194,11 @@ class RunCache:
             return None
         return hit
 
+    @property
+    def key(self) -> str:
+        """This run's key ("" before a lookup), for ranks to compare."""
+        return "" if self.fields is None else cache_key(self.fields)
+
     def forget(self) -> None:
         """Drop this run's entry."""
         if self.option is not False and self.fields is not None:

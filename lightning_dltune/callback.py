@@ -27,8 +27,8 @@ from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_ste
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.probe import Probe
 from lightning_dltune.report import build_report, report_path, summary_table, window_metrics, write_json_atomic
-from lightning_dltune.settings import LoaderSettings, check_choice, check_float, check_int, check_num_workers
-from lightning_dltune.state import MODES, Mode, Phase, TuningState, WindowPlan
+from lightning_dltune.settings import LoaderSettings, check_tuner_arguments
+from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
 
 
 class DataLoaderTuner(Callback):
@@ -149,7 +149,7 @@ class DataLoaderTuner(Callback):
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
     ) -> None:
-        _check_arguments(
+        check_tuner_arguments(
             stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps
         )
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
@@ -217,9 +217,8 @@ class DataLoaderTuner(Callback):
             return
         assert self.budget is not None
         limits = {"max_workers": self.max_workers, "max_prefetch": self.max_prefetch, "max_memory": self.max_memory}
-        hit = self._cache.lookup(
-            loader, self.budget.cpus, trainer.strategy.root_device, int(trainer.num_devices), limits
-        )
+        hit = self._cache.lookup(loader, self.budget.cpus, trainer.strategy.root_device, trainer.num_devices, limits)
+        hit = self.agreement.same_start(self._cache.key, hit)  # every rank starts on the same config
         if hit is not None and self.state.start_from_cache(*hit):
             rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit[0].describe()} ({self._cache.path}).")
 
@@ -256,7 +255,7 @@ class DataLoaderTuner(Callback):
         batches = trainer.num_training_batches
         left = batches - (batch_idx + 1)
         if self.plan.close_in_epoch(
-            self.probe.window_steps,
+            self._window_steps(),
             self.probe.peek().stall_frac,
             left,
             self.agreement.distributed,
@@ -276,9 +275,15 @@ class DataLoaderTuner(Callback):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.state.current is None or self.state.done:
             self.probe.skip()
-        elif (self.probe.window_steps >= self.policy.min_steps or is_last_epoch(trainer)) and not self.plan.in_epoch:
+            if self.agreement.distributed and self.state.done:  # a failure on one rank is agreed here
+                self._close_window(trainer, now=False, done=trainer.num_training_batches)
+        elif (self._window_steps() >= self.policy.min_steps or is_last_epoch(trainer)) and not self.plan.in_epoch:
             # short epochs pool into one window; in-epoch windows carry over into the next epoch
             self._close_window(trainer, now=False, done=trainer.num_training_batches)
+
+    def _window_steps(self) -> int:
+        """Under DDP every rank must close a window at the same step: count what all ranks count alike."""
+        return self.probe.window_batches if self.agreement.distributed else self.probe.window_steps
 
     def _log(self, trainer: "pl.Trainer") -> None:
         stats, gpu_stats, nvml = self.probe.take_log()
@@ -291,12 +296,15 @@ class DataLoaderTuner(Callback):
     def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
         """Judge the window that just ended; ``done``: batches of this epoch already trained."""
         assert self.budget is not None
-        stats = self._measured()
+        stats = self._measured() if not self.state.done else WindowStats()
         left = remaining_steps(trainer, done)
-        stats, budget, decision = self.agreement.decide(stats, self.budget, lambda s, b: self.state.decide(s, b, left))
-        change = self.state.apply(decision, stats, budget, trainer.global_step)
-        if change is not None:
-            self.switcher.switch(change.settings, now=now, last_epoch=is_last_epoch(trainer))
+        stats, budget, decision = self.agreement.decide(
+            stats, self.budget, lambda s, b, f: self.state.decide(s, b, left, f), self.state.unagreed
+        )
+        failures = self.agreement.failures
+        change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
+        if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
+            self.switcher.switch(change.settings, now, is_last_epoch(trainer), everywhere=bool(failures))
         if decision is not None and self.state.done:
             self._tuning_ended()
 
@@ -309,7 +317,9 @@ class DataLoaderTuner(Callback):
         """The running config failed: record it and return the fallback (see ``LoaderSwitcher``)."""
         assert self.budget is not None and self.switcher.trainer is not None
         before = self.state.best_settings, self.state.phase
-        fallback = self.state.fail(self._measured(), f"{kind}: {why}", self.budget, self.switcher.trainer.global_step)
+        distributed = self.agreement.distributed  # then the window goes on: every rank closes it at the same step
+        stats = WindowStats() if distributed else self._measured()
+        fallback = self.state.fail(stats, f"{kind}: {why}", self.budget, self.switcher.trainer.global_step, distributed)
         if fallback is not None and (self.state.best_settings, self.state.phase) != before:
             self._tuning_ended()  # a new result: summarized, and the cache no longer holds the failed config
         return fallback
@@ -362,32 +372,6 @@ class DataLoaderTuner(Callback):
         path = report_path(self.report_path, log_dir, trainer.default_root_dir)
         if path is not None and trainer.is_global_zero:
             self.report_file = write_json_atomic(path, self.report)
-
-
-def _check_arguments(
-    stall_threshold: Any,
-    max_trials: Any,
-    max_workers: Any,
-    max_prefetch: Any,
-    max_memory: Any,
-    min_steps: Any,
-    mode: Any,
-    window_steps: Any,
-) -> None:
-    in_range = lambda: 0 < stall_threshold < 1  # noqa: E731
-    check_float(stall_threshold, "stall_threshold", "in (0, 1)", in_range, "Use 0.05 to accept a 5% stall.")
-    check_int(max_trials, "max_trials", 1, "Use 1 to measure without retuning.")
-    if max_workers is not None:
-        check_num_workers(max_workers, "max_workers")
-    check_int(max_prefetch, "max_prefetch", 1, "PyTorch's default is 2.")
-    if max_memory is not None:
-        allowed = "a fraction in (0, 1] or a number of bytes > 1"
-        check_float(
-            max_memory, "max_memory", allowed, lambda: max_memory > 0, "Use 0.5 for half of the available memory."
-        )
-    check_int(min_steps, "min_steps", 1)
-    check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
-    check_int(window_steps, "window_steps", 2, "The default is 20.")
 
 
 @rank_zero_only

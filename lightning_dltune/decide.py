@@ -368,6 +368,12 @@ def diagnose(
 def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
     usable = [t for t in trials if t.usable]
     if not usable:
+        failed = [t for t in trials if t.failed]
+        if failed:
+            return (
+                f"unknown: {failed[-1].settings.describe()} failed ({failed[-1].failed}) before a window was "
+                f"measured; running on {settled.describe()}."
+            )
         return "unknown: no training step was measured."
     start = usable[0]
     final = next((t for t in reversed(usable) if t.settings == settled), usable[-1])

@@ -180,11 +180,12 @@ class LoaderSwitcher:
         if settings is not None and isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = settings
 
-    def switch(self, settings: LoaderSettings, now: bool, last_epoch: bool) -> None:
-        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them)."""
+    def switch(self, settings: LoaderSettings, now: bool, last_epoch: bool, everywhere: bool = False) -> None:
+        """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them).
+        ``everywhere``: reload at the next epoch even if this rank is on them already, as the other ranks do."""
         assert self.trainer is not None
         self.aim(settings)
-        if settings == self.state.current:
+        if settings == self.state.current and not (everywhere and not now):
             self._pending = None
         elif now:
             self._pending = settings
@@ -267,6 +268,7 @@ class LoaderSwitcher:
             f"DataLoaderTuner: {kind} ({summary}). Rebuilt the train loader with "
             f"{fallback.describe()} (was {failed.describe()}) and continued epoch {self.trainer.current_epoch} "
             f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
+            every_rank=True,
         )
         self.probe.rebuilt_in_fetch()
         return self._replace(loader, fallback)

@@ -219,6 +219,7 @@ class StepTimer:
         self._ref: float | None = None
         self._requested_at: float | None = None
         self._first_after_build = False
+        self._batches = 0  # every step of the window, start-up steps included
         self._clear_gap()
 
     def _clear_gap(self) -> None:
@@ -288,6 +289,7 @@ class StepTimer:
         if self._step_t0 is None:
             return
         now = self._clock()
+        self._batches += 1
         step = now - self._step_t0
         wait = self._wait
         other = max(0.0, self._gap - wait - self._paused)
@@ -319,9 +321,16 @@ class StepTimer:
     def peek_window(self) -> WindowStats:
         return self._window.stats()
 
+    @property
+    def window_batches(self) -> int:
+        """Every step of the window, start-up steps included: the same on every rank, whatever one rank had to
+        rebuild (steady steps are not)."""
+        return self._batches
+
     def take_window(self) -> WindowStats:
         stats = self._window.stats()
         self._window.reset()
+        self._batches = 0
         return stats
 
     def take_log_window(self) -> WindowStats:

@@ -133,6 +133,11 @@ class Probe:
     def window_steps(self) -> int:
         return self.timer.window_steps
 
+    @property
+    def window_batches(self) -> int:
+        """Steps of the window, start-up included: what ranks count alike (see ``StepTimer.window_batches``)."""
+        return self.timer.window_batches
+
     def peek(self) -> WindowStats:
         return self.timer.peek_window()
 

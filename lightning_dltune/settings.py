@@ -144,3 +144,32 @@ def check_float(value: Any, name: str, allowed: str, ok: bool | Callable[[], boo
     if not (ok() if callable(ok) else ok):
         raise ValueError(f"`{name}` must be {allowed}, got {value}. {fix}")
     return float(value)
+
+
+def check_tuner_arguments(
+    stall_threshold: Any,
+    max_trials: Any,
+    max_workers: Any,
+    max_prefetch: Any,
+    max_memory: Any,
+    min_steps: Any,
+    mode: Any,
+    window_steps: Any,
+) -> None:
+    """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
+    from lightning_dltune.state import MODES
+
+    in_range = lambda: 0 < stall_threshold < 1  # noqa: E731
+    check_float(stall_threshold, "stall_threshold", "in (0, 1)", in_range, "Use 0.05 to accept a 5% stall.")
+    check_int(max_trials, "max_trials", 1, "Use 1 to measure without retuning.")
+    if max_workers is not None:
+        check_num_workers(max_workers, "max_workers")
+    check_int(max_prefetch, "max_prefetch", 1, "PyTorch's default is 2.")
+    if max_memory is not None:
+        allowed = "a fraction in (0, 1] or a number of bytes > 1"
+        check_float(
+            max_memory, "max_memory", allowed, lambda: max_memory > 0, "Use 0.5 for half of the available memory."
+        )
+    check_int(min_steps, "min_steps", 1)
+    check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
+    check_int(window_steps, "window_steps", 2, "The default is 20.")

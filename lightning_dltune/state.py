@@ -16,8 +16,8 @@ as soon as the loader is plainly the bottleneck.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
@@ -79,6 +79,7 @@ class TuningState:
         self.diagnosis = ""
         self.cache_hit = False
         self.recoveries = 0
+        self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
         self._cached_entry: dict[str, Any] | None = None
 
     # --- the loader ---------------------------------------------------------------------------------------------
@@ -129,8 +130,17 @@ class TuningState:
         return cur.num_workers != start.num_workers or cur.persistent_workers != start.persistent_workers
 
     # --- deciding -----------------------------------------------------------------------------------------------
-    def decide(self, stats: WindowStats, budget: Budget, remaining_steps: int | None) -> Decision | None:
-        """What to do after a window on the current config (``None`` while observing or disabled). Pure."""
+    def decide(
+        self, stats: WindowStats, budget: Budget, remaining_steps: int | None, failed: Sequence[LoaderSettings] = ()
+    ) -> Decision | None:
+        """What to do after a window on the current config (``None`` while observing or disabled, or once tuning
+        ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
+        settles on the same fallback. Pure."""
+        if failed:
+            never = set(failed) | {t.settings for t in self.trials if t.failed}
+            fallback = self._fallback(never, failed[0])
+            names = ", ".join(sorted({f.describe() for f in failed}))
+            return Decision("settle", fallback, f"{names} failed on a rank: every rank falls back to the same config")
         if self.current is None or not self.tuning:
             return None
         trial = Trial(self.current, stats)
@@ -138,13 +148,30 @@ class TuningState:
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
 
-    def apply(self, decision: Decision | None, stats: WindowStats, budget: Budget, step: int) -> Decision | None:
+    def apply(
+        self,
+        decision: Decision | None,
+        stats: WindowStats,
+        budget: Budget,
+        step: int,
+        failed: Sequence[LoaderSettings] = (),
+    ) -> Decision | None:
         """Record the window's trial with ``decision`` and act on it: a new target, settled or held. Returns the
         decision when the loader must change (``"try"``/``"settle"``), else ``None``."""
         assert self.current is not None
         self._cached_entry = None
+        if failed and decision is not None:  # agreed after a failure on some rank: the window mixed configs
+            known = {t.settings for t in self.trials if t.failed}
+            self.trials += [
+                Trial(f, WindowStats(), failed="failed on a rank") for f in dict.fromkeys(failed) if f not in known
+            ]
+            self.trials[-1] = replace(self.trials[-1], decision=decision_text(decision))
+            self.unagreed, self.target = None, decision.settings
+            self._stop(Phase.SETTLED, decision.settings, budget, step)
+            return decision
         if decision is None:
-            self.trials.append(Trial(self.current, stats))
+            if not self.done:  # observing or disabled: the window is recorded as it was
+                self.trials.append(Trial(self.current, stats))
             return None
         self.trials.append(Trial(self.current, stats, decision=decision_text(decision)))
         if decision.action == "try":
@@ -158,26 +185,37 @@ class TuningState:
             return None
         return decision if decision.action in ("try", "settle") else None
 
-    def fail(self, stats: WindowStats, why: str, budget: Budget, step: int) -> LoaderSettings | None:
+    def fail(
+        self, stats: WindowStats, why: str, budget: Budget, step: int, agree_later: bool = False
+    ) -> LoaderSettings | None:
         """The running config failed (``why``): record it, and return the config to fall back to (``None``: give
-        up and let the error propagate). A failed config is never chosen again."""
+        up and let the error propagate). A failed config is never chosen again.
+
+        ``agree_later`` (distributed runs): only this rank saw it, and the others are waiting in a collective of
+        the step; fall back on this rank alone and keep the failure in ``unagreed`` for the next decision point,
+        where every rank records it and settles on the same fallback."""
         if self.recoveries >= MAX_RECOVERIES or self.current is None:
             return None
         self.recoveries += 1
         failed = self.current
+        never = {t.settings for t in self.trials if t.failed} | {failed}
+        fallback = self._fallback(never, failed)
+        if agree_later:  # distributed: this rank falls back now, the phase and the trial are agreed later
+            self.unagreed = self.unagreed or failed
+            return fallback
         self.trials.append(Trial(failed, stats, failed=why))
-        never = {t.settings for t in self.trials if t.failed}
-        usable = [t for t in self.trials if t.usable and t.settings not in never]
-        if usable:
-            fallback = pick_best(usable, self.policy).settings
-        elif self.start is not None and self.start not in never:
-            fallback = self.start
-        else:
-            fallback = failed.with_workers(failed.num_workers // 2)
         if self.tuning or self.result == failed:  # the result may not be a config that failed
             self._stop(Phase.SETTLED, fallback, budget, step)
         self.target = fallback
         return fallback
+
+    def _fallback(self, never: set[LoaderSettings], failed: LoaderSettings) -> LoaderSettings:
+        usable = [t for t in self.trials if t.usable and t.settings not in never]
+        if usable:
+            return pick_best(usable, self.policy).settings
+        if self.start is not None and self.start not in never:
+            return self.start
+        return failed.with_workers(failed.num_workers // 2)
 
     def _stop(
         self, phase: Phase, settings: LoaderSettings, budget: Budget, step: int, held: Decision | None = None

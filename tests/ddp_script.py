@@ -1,6 +1,7 @@
 """Run by tests/test_ddp.py as its own process tree: Lightning's "ddp" launcher re-executes this script.
 
 python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
+python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # one process per "node", launched by the test
 """
 
@@ -32,6 +33,20 @@ class Record(pl.Callback):
         self.epochs.append(pl_module.seen_indices[self._start :])
 
 
+class KillOnRank1(pl.Callback):
+    """Kill one worker of rank 1's train loader at its 4th batch: a death only that rank sees."""
+
+    def __init__(self):
+        self.killed = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == 3 and self.killed is None:
+            import signal
+
+            self.killed = trainer.train_dataloader._iterator._workers[0].pid
+            os.kill(self.killed, signal.SIGKILL)
+
+
 def main() -> None:
     faulthandler.dump_traceback_later(90, exit=True)  # a hang shows its stacks instead of a silent timeout
     out, kind = Path(sys.argv[1]), sys.argv[2]
@@ -44,20 +59,22 @@ def main() -> None:
     # short windows only so that 12-step epochs hold several of them
     tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4)
     record = Record()
+    extra = [KillOnRank1()] if kind == "kill" else []
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="ddp",
-        devices=2 if kind == "single" else 1,
-        num_nodes=1 if kind == "single" else 2,
+        devices=1 if kind == "node" else 2,
+        num_nodes=2 if kind == "node" else 1,
         max_epochs=3,
         default_root_dir=out,
-        callbacks=[tuner, record],
+        callbacks=[tuner, record, *extra],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    dm = SyntheticDataModule(SyntheticDataset(length=384, latency_ms=5.0), batch_size=16, num_workers=0)
+    workers = 2 if kind == "kill" else 0  # a worker to kill
+    dm = SyntheticDataModule(SyntheticDataset(length=384, latency_ms=5.0), batch_size=16, num_workers=workers)
     trainer.fit(SimulatedModel(step_ms=5), datamodule=dm)
     result = {
         "rank": trainer.global_rank,
@@ -74,6 +91,8 @@ def main() -> None:
         "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)),
         "steps_per_trial": [t.stats.steps for t in tuner.trials],
         "phase": str(tuner.phase),
+        "settled_step": tuner.settled_step,
+        "failed": [t.failed for t in tuner.trials],
         "report_file": None if tuner.report_file is None else str(tuner.report_file),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

@@ -12,9 +12,12 @@ from lightning_dltune.settings import LoaderSettings
 FIELDS = [f.name for f in dataclasses.fields(WindowStats)]
 
 
-def row(stats: WindowStats, budget: Budget) -> list[float]:
+def row(stats: WindowStats, budget: Budget, failed: LoaderSettings | None = None) -> list[float]:
     limits = [budget.cpus, budget.max_workers, budget.memory_bytes or float("inf"), budget.shm_bytes or float("inf")]
-    return [float(getattr(stats, f)) for f in FIELDS] + limits
+    if failed is None:
+        return [float(getattr(stats, f)) for f in FIELDS] + limits + [-1.0, 0.0, 0.0, 0.0]
+    encoded = [failed.num_workers, failed.prefetch_factor or 0, failed.pin_memory, failed.persistent_workers]
+    return [float(getattr(stats, f)) for f in FIELDS] + limits + [float(v) for v in encoded]
 
 
 class FakeStrategy:
@@ -34,6 +37,8 @@ class FakeStrategy:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
+        if tensor.dtype == torch.int64:  # the cache keys' digests: the other rank's is `other_key`
+            return torch.stack([torch.tensor(self.mine_key), torch.tensor(self.other_key)])
         if tensor.numel() == 1:  # the per-log stall: this rank 0.8, the other 0.2
             return torch.tensor([[0.8], [0.2]], dtype=torch.float64)
         return torch.tensor([self.mine, self.other_row], dtype=torch.float64)
@@ -46,7 +51,7 @@ class FakeStrategy:
 
     def broadcast(self, obj, src=0):
         self.calls.append("broadcast")
-        return obj
+        return getattr(self, "rank0_choice", obj)
 
 
 def test_a_decision_uses_the_slowest_rank_and_the_tightest_node_on_the_root_device():
@@ -59,12 +64,12 @@ def test_a_decision_uses_the_slowest_rank_and_the_tightest_node_on_the_root_devi
     agreement = Agreement(strategy)
     seen = []
 
-    def choose(stats, budget):
-        seen.append((stats, budget))
+    def choose(stats, budget, failed):
+        seen.append((stats, budget, failed))
         return Decision("try", LoaderSettings.normalized(4), "because")
 
     stats, budget, decision = agreement.decide(fast, mine, choose)
-    assert stats == slow and seen == [(slow, budget)]
+    assert stats == slow and seen == [(slow, budget, [])]
     assert (budget.cpus, budget.max_workers, budget.memory_bytes, budget.shm_bytes) == (2.0, 16, 8e9, 1e9)
     assert budget.bound_by.endswith("(tightest node)") and agreement.budget == budget
     assert decision.settings.num_workers == 4
@@ -83,5 +88,30 @@ def test_a_single_process_sends_nothing():
     agreement = Agreement(None)
     stats = WindowStats(steps=1, samples=1, wall_s=1.0)
     budget = Budget(cpus=1.0, max_workers=4)
-    assert agreement.decide(stats, budget, lambda s, b: "x") == (stats, budget, "x")
+    assert agreement.decide(stats, budget, lambda s, b, f: "x") == (stats, budget, "x")
     assert agreement.spread(0.5) is None and agreement.largest(3.0) == 3.0 and agreement.budget is None
+
+
+def test_a_config_that_failed_on_one_rank_reaches_every_rank():
+    died = LoaderSettings.normalized(4)
+    stats, budget = WindowStats(steps=1, samples=1, wall_s=1.0), Budget(cpus=1.0, max_workers=4)
+    strategy = FakeStrategy(row(stats, budget, failed=died))  # the other rank lost a worker
+    strategy.mine = row(stats, budget)
+    agreement = Agreement(strategy)
+    _, _, failed = agreement.decide(stats, budget, lambda s, b, f: f, failed=None)
+    assert failed == [died] == agreement.failures
+
+
+def test_a_cache_hit_is_rank_zeros_and_only_when_every_rank_has_the_same_key():
+    import hashlib
+
+    def digest(key):
+        return [int.from_bytes(hashlib.sha1(key.encode()).digest()[:7], "big")]
+
+    strategy = FakeStrategy([])
+    strategy.rank0_choice = ("rank 0's settings", {})
+    strategy.mine_key, strategy.other_key = digest("k1"), digest("k1")
+    agreement = Agreement(strategy)
+    assert agreement.same_start("k1", None) == ("rank 0's settings", {})  # this rank missed, rank 0 hit: follow it
+    strategy.other_key = digest("k2")  # another node, another key (its CPUs differ, say)
+    assert agreement.same_start("k1", ("mine", {})) is None  # nobody starts from the cache

@@ -84,3 +84,17 @@ def test_two_nodes_on_loopback_each_compute_a_budget_and_agree(tmp_path):
     assert [r["own_cpus"] for r in results] == [len(os.sched_getaffinity(0)), 1]  # each node's own budget
     check_agreement_and_shards(results, tmp_path)
     assert results[0]["agreed_cpus"] == results[1]["agreed_cpus"] == 1.0  # the tightest node governs
+
+
+def test_a_worker_dying_on_one_rank_makes_every_rank_fall_back_to_the_same_config(tmp_path):
+    log = tmp_path / "ddp.log"
+    proc = run_logged([sys.executable, str(SCRIPT), str(tmp_path), "kill", "in_epoch"], log, env=env())
+    assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
+    a, b = read(tmp_path)
+    # rank 1 recovered alone at once; at the next decision point both ranks recorded it and settled together
+    assert a["trials"] == b["trials"] and a["failed"] == b["failed"] and any(a["failed"])
+    assert a["best_settings"] == b["best_settings"] and a["best_settings"]["num_workers"] != 2
+    assert a["phase"] == b["phase"] == "settled" and a["settled_step"] == b["settled_step"] is not None
+    for r in (a, b):
+        for epoch, seen in enumerate(r["epochs"]):
+            assert seen == expected_order(r["rank"], epoch, r["seed"]), f"rank {r['rank']} epoch {epoch}"
