@@ -216,10 +216,6 @@ class GpuTimeline:
         if sample.window == self._generation:
             self._window.add(idle, copy, other, step)
 
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
     def take_window(self, wait: bool = True) -> GpuStats:
         """The current window's steps; starts the next window.
 

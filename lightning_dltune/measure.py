@@ -314,10 +314,6 @@ class StepTimer:
     def window_steps(self) -> int:
         return self._window.steps
 
-    @property
-    def log_steps(self) -> int:
-        return self._log.steps
-
     def peek_window(self) -> WindowStats:
         return self._window.stats()
 

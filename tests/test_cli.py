@@ -118,3 +118,18 @@ def test_lightning_cli_help_documents_every_tuner_argument(capsys, monkeypatch):
         assert f"--trainer.callbacks.{arg}" in out, out[-2000:]
     assert "stall fraction (data wait / wall time)" in out
     assert "(type: int | null, default: null)" in " ".join(out.split())  # max_workers is typed
+    assert "--trainer.callbacks.mode {auto,epoch,in_epoch}" in out  # a Literal: the choices are listed
+
+
+def test_lightning_cli_rejects_a_bad_mode_at_parse_time(capsys, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_dltune.synthetic import SimulatedModel
+
+    args = ["prog", "--trainer.callbacks=lightning_dltune.DataLoaderTuner", "--trainer.callbacks.mode=sometimes"]
+    monkeypatch.setattr(sys, "argv", args)
+    with pytest.raises(SystemExit) as exit_info:
+        LightningCLI(SimulatedModel, run=False)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "Expected a typing.Literal['auto', 'epoch', 'in_epoch']. Got value: sometimes" in err
