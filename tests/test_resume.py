@@ -87,16 +87,18 @@ class Indices(pl.Callback):
         self.seen.extend(int(i) for i in batch[2])
 
 
-def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
-    def run(path, tuner, **kwargs):
-        pl.seed_everything(11, workers=True)
-        seen = Indices()
-        dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
-        fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
-        return seen.seen
+def indices_of(path, tuner, **kwargs):
+    """The dataset indices one epoch trains on, in order (a 60-batch epoch, seeded)."""
+    pl.seed_everything(11, workers=True)
+    seen = Indices()
+    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
+    fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
+    return seen.seen
 
-    reference = run(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
-    head = run(
+
+def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    head = indices_of(
         tmp_path / "b",
         DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
         every_n_steps=25,
@@ -105,7 +107,7 @@ def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
     ckpt = tmp_path / "b" / "ckpt" / "epoch=0-step=25.ckpt"
     assert ckpt.exists() and len(head) == 25 * 8
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
-        tail = run(
+        tail = indices_of(
             tmp_path / "c", DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False), ckpt_path=ckpt
         )
     assert head + tail == reference  # no sample lost or repeated across the restart
@@ -115,20 +117,13 @@ def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
     """Lightning skips `on_train_epoch_start` when it resumes mid-epoch: the guard, the position and the
     start-up accounting must come back without it, so a second checkpoint in the same epoch is exact too."""
 
-    def run(path, tuner, **kwargs):
-        pl.seed_everything(11, workers=True)
-        seen = Indices()
-        dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
-        fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
-        return seen.seen
-
     def tuner():
         return DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False)
 
-    reference = run(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
-    head = run(tmp_path / "a", tuner(), every_n_steps=25, max_steps=25)
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    head = indices_of(tmp_path / "a", tuner(), every_n_steps=25, max_steps=25)
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
-        middle = run(
+        middle = indices_of(
             tmp_path / "b", tuner(), every_n_steps=40, max_steps=40, ckpt_path=tmp_path / "a/ckpt/epoch=0-step=25.ckpt"
         )
     second = tmp_path / "b" / "ckpt" / "epoch=0-step=40.ckpt"
@@ -136,5 +131,5 @@ def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
     state = next(v for k, v in torch.load(second, weights_only=False)["callbacks"].items() if "DataLoaderTuner" in k)
     assert state["epoch_batch"] == 40  # the position in the epoch, not in the resumed iterator
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
-        tail = run(tmp_path / "c", tuner(), ckpt_path=second)
+        tail = indices_of(tmp_path / "c", tuner(), ckpt_path=second)
     assert head + middle + tail == reference  # no sample lost or repeated across two restarts
