@@ -337,18 +337,13 @@ class DataLoaderTuner(Callback):
     # --- checkpoints and the report -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = self.state.state_dict()
-        position = self.switcher.position()
-        if position is not None:
-            state["epoch_order"], state["epoch_batch"] = position
-        return state
+        return {**self.state.state_dict(), **self.switcher.position_state()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state.load_state_dict(state_dict)
         self.switcher.aim(self.state.target)  # now: FSDP/DeepSpeed restore after on_fit_start
-        if "epoch_order" in state_dict:
-            self.switcher.restored_epoch = (list(state_dict["epoch_order"]), int(state_dict.get("epoch_batch", 0)))
+        self.switcher.load_position(state_dict)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -69,6 +69,7 @@ class LoaderSwitcher:
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
+        self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -146,8 +147,9 @@ class LoaderSwitcher:
                     "no sample can be lost or repeated.",
                 )
             return {}
+        resume, self.restored_position = self.restored_position, None
         return {
-            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last),
+            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last, resume),
             "batch_size": 1,
             # no `shuffle`: Lightning then reads it from batch_sampler.sampler when it injects its
             # DistributedSampler (an explicit False would turn shuffling off under DDP)
@@ -294,17 +296,29 @@ class LoaderSwitcher:
         if not start.persistent_workers and _lightning.will_reuse_iterator(loader):
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
-    def position(self) -> tuple[list[int], int] | None:
-        """The running epoch's order and the batch the loop reached, when a checkpoint is taken mid-epoch."""
+    def position_state(self) -> dict[str, Any]:
+        """Where the running epoch is, for a checkpoint taken mid-epoch (``{}`` otherwise): the batch the loop
+        reached and the epoch; and the epoch's order, unless the sampler derives it from seed and epoch (a
+        DistributedSampler: each rank then rebuilds its own shard, where rank 0's order would be wrong)."""
         if self.trainer is None or not self.resumable:
-            return None
+            return {}
         guard = _lightning.train_iterator(self.trainer)
         if not isinstance(guard, GuardedIterator):
-            return None
+            return {}
         sampler = guard.loader.batch_sampler
         if not 0 < guard.position < len(sampler):
-            return None
-        return sampler.epoch_order, guard.position
+            return {}
+        state = {"epoch_batch": guard.position, "epoch_index": self.trainer.current_epoch}
+        if not hasattr(sampler.sampler, "set_epoch"):
+            state["epoch_order"] = sampler.epoch_order
+        return state
+
+    def load_position(self, state: dict[str, Any]) -> None:
+        batch = int(state.get("epoch_batch", 0))
+        if "epoch_order" in state:
+            self.restored_epoch = (list(state["epoch_order"]), batch)
+        elif "epoch_index" in state and batch > 0:
+            self.restored_position = (int(state["epoch_index"]), batch)
 
     def worker_pids(self) -> list[int]:
         return [] if self.trainer is None else _lightning.train_worker_pids(self.trainer)

@@ -31,31 +31,47 @@ class ResumableBatchSampler(BatchSampler):
     ``array('q')`` of indices: 8 bytes per sample.
     """
 
-    def __init__(self, sampler: Any, batch_size: int, drop_last: bool) -> None:
+    def __init__(
+        self, sampler: Any, batch_size: int, drop_last: bool, resume_epoch: tuple[int, int] | None = None
+    ) -> None:
         super().__init__(sampler, batch_size, drop_last)
         self._order: array | None = None
         self._resume: int | None = None
+        # (epoch, batch): the first iteration draws epoch `epoch`'s order from an epoch-seeded sampler (a
+        # DistributedSampler: seed and epoch fix it) and starts at `batch`. A constructor argument, so that it
+        # survives Lightning rebuilding this batch sampler around the DistributedSampler it injects.
+        self._resume_epoch = resume_epoch
         self.offset = 0  # the batch of the epoch the latest iteration starts at
 
     def __iter__(self) -> Iterator[list[int]]:
         # known as soon as the iterator is asked for; the resume itself is taken when the first batch is drawn,
         # since a DataLoader iterator may ask twice before drawing (PyTorch's workers reset once more on start)
-        self.offset = self._resume if self._resume is not None and self._order is not None else 0
+        if self._resume_epoch is not None:
+            self.offset = self._resume_epoch[1]
+        else:
+            self.offset = self._resume if self._resume is not None and self._order is not None else 0
         return self._batches()
 
     def _batches(self) -> Iterator[list[int]]:
         start, self._resume = self._resume, None
-        if start is None or self._order is None:
-            order = array("q")
-            for batch in super().__iter__():
-                order.extend(batch)
-            self._order = order
-            start = 0
+        if self._resume_epoch is not None:  # a new epoch's order, drawn for that epoch, resumed part-way
+            (epoch, start), self._resume_epoch = self._resume_epoch, None
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+            self._order = self._draw()
+        elif start is None or self._order is None:  # a new epoch from its start
+            start, self._order = 0, self._draw()
         order = self._order
         n = len(self)
         bs = self.batch_size
         for b in range(start, n):
             yield order[b * bs : (b + 1) * bs].tolist()
+
+    def _draw(self) -> array:
+        order = array("q")
+        for batch in super().__iter__():
+            order.extend(batch)
+        return order
 
     def resume_at(self, batch: int) -> None:
         """The next ``__iter__`` continues the current epoch at ``batch`` (0-based) instead of starting anew."""

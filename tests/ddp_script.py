@@ -2,6 +2,8 @@
 
 python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
 python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
+python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
+python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # one process per "node", launched by the test
 """
 
@@ -20,17 +22,22 @@ from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, Synt
 
 
 class Record(pl.Callback):
+    """The indices each epoch trained on (per batch: a resumed epoch has no epoch start), and its sampler's epoch."""
+
     def __init__(self):
-        self.epochs = []
+        self.by_epoch: dict[int, list[int]] = {}
         self.sampler_epochs = []
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._start = len(pl_module.seen_indices)
         sampler = trainer.train_dataloader.batch_sampler.sampler
         self.sampler_epochs.append(sampler.epoch if isinstance(sampler, DistributedSampler) else None)
 
-    def on_train_epoch_end(self, trainer, pl_module):
-        self.epochs.append(pl_module.seen_indices[self._start :])
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.by_epoch.setdefault(trainer.current_epoch, []).extend(int(i) for i in batch[2])
+
+    @property
+    def epochs(self) -> list[list[int]]:
+        return [self.by_epoch[e] for e in sorted(self.by_epoch)]
 
 
 class KillOnRank1(pl.Callback):
@@ -60,6 +67,12 @@ def main() -> None:
     tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4)
     record = Record()
     extra = [KillOnRank1()] if kind == "kill" else []
+    limits = {}
+    if kind == "head":  # stop and checkpoint at step 18: batch 6 of epoch 1 (12 batches per rank and epoch)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        extra.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=18, save_top_k=-1))
+        limits = {"max_steps": 18, "enable_checkpointing": True}
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="ddp",
@@ -69,13 +82,14 @@ def main() -> None:
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **{"enable_checkpointing": False, **limits},
     )
     workers = 2 if kind == "kill" else 0  # a worker to kill
     dm = SyntheticDataModule(SyntheticDataset(length=384, latency_ms=5.0), batch_size=16, num_workers=workers)
-    trainer.fit(SimulatedModel(step_ms=5), datamodule=dm)
+    ckpt_path = sys.argv[4] if kind == "tail" else None
+    trainer.fit(SimulatedModel(step_ms=5), datamodule=dm, ckpt_path=ckpt_path)
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -83,9 +97,10 @@ def main() -> None:
         "trials": [t.settings.to_loader_kwargs() for t in tuner.trials],
         "decisions": [t.decision for t in tuner.trials],
         "own_cpus": len(os.sched_getaffinity(0)),
-        "agreed_cpus": tuner.agreed_budget.cpus,
+        "agreed_cpus": None if tuner.agreed_budget is None else tuner.agreed_budget.cpus,
         "stall_spread": tuner.stall_spread,
         "epochs": record.epochs,
+        "by_epoch": record.by_epoch,
         "sampler_epochs": record.sampler_epochs,
         "sampler": type(trainer.train_dataloader.batch_sampler.sampler).__name__,
         "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)),

@@ -98,3 +98,21 @@ def test_a_worker_dying_on_one_rank_makes_every_rank_fall_back_to_the_same_confi
     for r in (a, b):
         for epoch, seen in enumerate(r["epochs"]):
             assert seen == expected_order(r["rank"], epoch, r["seed"]), f"rank {r['rank']} epoch {epoch}"
+
+
+def test_a_mid_epoch_checkpoint_resumes_every_ranks_own_shard_exactly(tmp_path):
+    head, tail = tmp_path / "head", tmp_path / "tail"
+    for out in (head, tail):
+        out.mkdir()
+    cmd = [sys.executable, str(SCRIPT)]
+    proc = run_logged([*cmd, str(head), "head", "in_epoch"], head / "ddp.log", env=env())
+    assert proc.wait(timeout=150) == 0, (head / "ddp.log").read_text()[-3000:]
+    (ckpt,) = (head / "ckpt").glob("*.ckpt")
+    proc = run_logged([*cmd, str(tail), "tail", "in_epoch", str(ckpt)], tail / "ddp.log", env=env())
+    assert proc.wait(timeout=150) == 0, (tail / "ddp.log").read_text()[-3000:]
+    for before, after in zip(read(head), read(tail), strict=True):
+        rank, seed = before["rank"], before["seed"]
+        assert len(before["by_epoch"]["1"]) == 6 * BATCH  # stopped at batch 6 of epoch 1
+        epoch1 = before["by_epoch"]["1"] + after["by_epoch"]["1"]
+        assert epoch1 == expected_order(rank, 1, seed), f"rank {rank}: epoch 1 across the restart"
+        assert after["by_epoch"]["2"] == expected_order(rank, 2, seed)
