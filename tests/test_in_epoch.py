@@ -238,7 +238,7 @@ def test_an_in_epoch_switch_stops_the_old_workers_before_the_new_ones_start(tmp_
                 worker_init_fn=CountWorkersAtStart(counts),
             )
 
-    tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False)
+    tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
     make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(M(step_ms=1))
     configs = [t.settings.num_workers for t in tuner.trials]
     assert len(set(configs)) >= 2, tuner.trials  # it switched inside the epoch

@@ -97,7 +97,7 @@ def indices_of(path, tuner, **kwargs):
 
 
 def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
-    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))  # as `fit` does
     head = indices_of(
         tmp_path / "b",
         DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False),
@@ -118,9 +118,9 @@ def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
     start-up accounting must come back without it, so a second checkpoint in the same epoch is exact too."""
 
     def tuner():
-        return DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5, cache=False)
+        return DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
 
-    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True))
     head = indices_of(tmp_path / "a", tuner(), every_n_steps=25, max_steps=25)
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
         middle = indices_of(
