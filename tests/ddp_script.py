@@ -4,7 +4,7 @@ python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning
 python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
 python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
-NODE_RANK=i ... python tests/ddp_script.py OUT node   # one process per "node", launched by the test
+NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node", each node launched by the test
 """
 
 import faulthandler
@@ -76,7 +76,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="ddp",
-        devices=1 if kind == "node" else 2,
+        devices=2,
         num_nodes=2 if kind == "node" else 1,
         max_epochs=3,
         default_root_dir=out,
