@@ -6,6 +6,7 @@ lightning 2.4-2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader liv
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -43,6 +44,18 @@ _SAVED_ARG_NAMES = "__pl_saved_arg_names"
 _PARKED_CONTEXT = "_dltune_multiprocessing_context"
 
 
+_WORKER_COUNT_WARNING = r"This DataLoader will create \d+ worker processes in total"
+
+
+def _no_check() -> None:
+    """Stands in for ``DataLoader.check_worker_number_rationality`` on a loader whose worker count the tuner set."""
+
+
+def quiet_worker_check(loader: DataLoader) -> None:
+    """Leave PyTorch's worker-count warning out of this loader's ``iter()`` calls (the tuner set its count)."""
+    loader.check_worker_number_rationality = _no_check  # type: ignore[method-assign]
+
+
 REMOVE = object()
 """An override value that drops the argument from the rebuilt loader's constructor call."""
 
@@ -51,17 +64,24 @@ class NotRebuildableError(RuntimeError):
     """The train loader cannot be rebuilt with other settings; the tuner leaves it alone."""
 
 
-def install_loader_transform(trainer: "pl.Trainer", transform: Callable[[Any], Any]) -> Callable[[], None]:
+def install_loader_transform(
+    trainer: "pl.Trainer", transform: Callable[[Any], Any], quiet: Callable[[], bool] = lambda: False
+) -> Callable[[], None]:
     """Route every train-loader request of ``fit`` through ``transform(loader) -> loader``.
 
     The transform runs inside Lightning's argument-recording context, before the distributed sampler is
-    injected, so a loader it rebuilds can still be rebuilt by Lightning. Returns the function that undoes it.
+    injected, so a loader it rebuilds can still be rebuilt by Lightning. While ``quiet()`` (the user's hook
+    builds the loader with the tuner's worker count, through the mixin), PyTorch's worker-count warning is
+    left out of that call alone. Returns the function that undoes it.
     """
     source = trainer.fit_loop._data_source
     original = source.dataloader
 
     def dataloader() -> Any:
-        return transform(original())
+        with warnings.catch_warnings():
+            if quiet():
+                warnings.filterwarnings("ignore", message=_WORKER_COUNT_WARNING, category=UserWarning)
+            return transform(original())
 
     source.dataloader = dataloader  # type: ignore[method-assign]
 
@@ -108,12 +128,14 @@ def request_train_reload(trainer: "pl.Trainer") -> None:
     fit_loop._combined_loader = None
 
 
-def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoader:
+def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any], quiet: bool = False) -> DataLoader:
     """A new instance of ``loader``'s class with the same constructor arguments except ``overrides``.
 
     Positional constructor arguments are passed by name, so Lightning can rebuild the result again for its
     distributed sampler. The sampler, batch sampler, ``collate_fn``, ``worker_init_fn``, ``generator`` and
     ``multiprocessing_context`` of the original are kept. An override of :data:`REMOVE` drops an argument.
+    ``quiet``: the worker count is the tuner's, measured: PyTorch's "will create N worker processes" warning
+    is left out for this loader alone (at construction and at every ``iter()``); the tuner says it once.
 
     Raises:
         NotRebuildableError: when the loader's constructor arguments cannot be recovered.
@@ -148,9 +170,14 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any]) -> DataLoa
     context = loader.__dict__.get(_PARKED_CONTEXT, getattr(loader, "multiprocessing_context", None))
     kwargs["multiprocessing_context"] = context if kwargs.get("num_workers", 0) > 0 else None
     try:
-        new = _reinstantiate_wrapped_cls(loader, **kwargs)
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.filterwarnings("ignore", message=_WORKER_COUNT_WARNING, category=UserWarning)
+            new = _reinstantiate_wrapped_cls(loader, **kwargs)
     except Exception as ex:
         raise NotRebuildableError(f"rebuilding `{type(loader).__name__}` failed: {ex}") from ex
+    if quiet:
+        quiet_worker_check(new)
     if context is not None and new.multiprocessing_context is None:
         new.__dict__[_PARKED_CONTEXT] = context
     # attribute assignments replayed from the original must not undo the new settings

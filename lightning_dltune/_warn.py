@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class DLTuneWarning(UserWarning):
@@ -24,6 +24,15 @@ def warn_once(key: str, message: str, every_rank: bool = False) -> None:
         warnings.warn(message, DLTuneWarning, stacklevel=2)
     else:
         rank_zero_warn(message, category=DLTuneWarning)
+
+
+def info_once(key: str, message: str) -> None:
+    """Say ``message`` on rank zero, through Lightning's logger, the first time ``key`` is seen in this process:
+    for what is not a problem but would surprise (the tuner starting more workers than cores)."""
+    if key in _seen:
+        return
+    _seen.add(key)
+    rank_zero_info(message)
 
 
 def reset_warnings() -> None:

@@ -9,6 +9,7 @@ random state as an untuned run would; and it knows the epoch's position for chec
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_dltune import _lightning
 from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
-from lightning_dltune._warn import warn_once
+from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.probe import Probe
 from lightning_dltune.settings import LoaderSettings
@@ -75,7 +76,7 @@ class LoaderSwitcher:
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
         self._restores = [
-            _lightning.install_loader_transform(trainer, self._on_loader),
+            _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
         ]
 
@@ -84,6 +85,9 @@ class LoaderSwitcher:
         for restore in reversed(self._restores):
             restore()
         self._restores = []
+
+    def _tuner_sets_workers(self) -> bool:
+        return self.state.switching and self.state.target is not None and self.state.target != self.state.start
 
     # --- building -------------------------------------------------------------------------------------------
     def _on_loader(self, loader: Any) -> Any:
@@ -108,6 +112,8 @@ class LoaderSwitcher:
             )
         gen = loader.generator
         self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+        if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
+            _lightning.quiet_worker_check(self._said_why(loader))
         loader = self._rebuilt(loader, current)
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
         self._guard_needed = self.resumable  # also when no epoch start follows (Lightning resuming mid-epoch)
@@ -126,10 +132,25 @@ class LoaderSwitcher:
         if not overrides:
             return loader
         try:
-            return _lightning.rebuild_dataloader(loader, overrides)
+            return self._said_why(_lightning.rebuild_dataloader(loader, overrides, quiet="num_workers" in overrides))
         except _lightning.NotRebuildableError as ex:
             self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
             return loader
+
+    def _said_why(self, loader: DataLoader) -> DataLoader:
+        """Say once, in the tuner's words, why a loader it built has more workers than CPUs (PyTorch's own
+        warning, twice per loader, is left out for these loaders)."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if loader.num_workers > cpus:
+            why = next((t.decision for t in reversed(self.state.trials) if t.decision), "")
+            info_once(
+                "many-workers",
+                f"DataLoaderTuner: {LoaderSettings.from_loader(loader).describe()} starts more worker processes "
+                f"than the {cpus} CPUs of this process, on purpose: the loader waits on more than its CPU time "
+                f"({why or 'measured'}). Each switch is measured; PyTorch's warning about it is left out for "
+                "the tuner's loaders.",
+            )
+        return loader
 
     def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
         """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
@@ -235,7 +256,7 @@ class LoaderSwitcher:
     def _replace(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
         assert self.trainer is not None
         with _lightning.recording():
-            new = _lightning.rebuild_dataloader(loader, settings.to_loader_kwargs())
+            new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
         _lightning.shutdown_workers(loader)
         _lightning.replace_train_loader(self.trainer, new)
         self.state.current = settings

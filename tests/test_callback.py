@@ -176,3 +176,27 @@ def test_validate_stage_is_left_alone(tmp_path):
 def test_bad_arguments_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         DataLoaderTuner(**kwargs)
+
+
+def test_pytorchs_worker_count_warning_is_replaced_by_one_line_of_the_tuners(tmp_path, caplog):
+    import logging
+    import warnings
+
+    tuner = DataLoaderTuner()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(PlainModel(latency_dataset(256), step_ms=5))
+    assert max(t.settings.num_workers for t in tuner.trials) > CORES  # more workers than cores, on purpose
+    pytorch = [w for w in caught if "worker processes in total" in str(w.message)]
+    assert pytorch == [], [str(w.message) for w in pytorch]
+    ours = [r.getMessage() for r in caplog.records if "starts more worker processes than the" in r.getMessage()]
+    assert len(ours) == 1 and "on purpose" in ours[0], ours
+
+
+def test_a_users_own_many_workers_still_get_pytorchs_warning(tmp_path):
+    class Many(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(latency_dataset(64), batch_size=16, num_workers=CORES + 2)
+
+    with pytest.warns(UserWarning, match="worker processes in total"):
+        make_trainer(tmp_path, [DataLoaderTuner(observe_only=True)], max_epochs=1, logger=False).fit(Many(step_ms=1))
