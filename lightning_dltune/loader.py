@@ -132,7 +132,9 @@ class LoaderSwitcher:
         if not overrides:
             return loader
         try:
-            return self._said_why(_lightning.rebuild_dataloader(loader, overrides, quiet="num_workers" in overrides))
+            quiet = "num_workers" in overrides  # the tuner's count, not the user's
+            new = _lightning.rebuild_dataloader(loader, overrides, quiet=quiet)
+            return self._said_why(new) if quiet else new
         except _lightning.NotRebuildableError as ex:
             self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
             return loader

@@ -193,10 +193,15 @@ def test_pytorchs_worker_count_warning_is_replaced_by_one_line_of_the_tuners(tmp
     assert len(ours) == 1 and "on purpose" in ours[0], ours
 
 
-def test_a_users_own_many_workers_still_get_pytorchs_warning(tmp_path):
+def test_a_users_own_many_workers_still_get_pytorchs_warning(tmp_path, caplog):
+    import logging
+
     class Many(SimulatedModel):
         def train_dataloader(self):
             return DataLoader(latency_dataset(64), batch_size=16, num_workers=CORES + 2)
 
-    with pytest.warns(UserWarning, match="worker processes in total"):
-        make_trainer(tmp_path, [DataLoaderTuner(observe_only=True)], max_epochs=1, logger=False).fit(Many(step_ms=1))
+    tuner = DataLoaderTuner(max_trials=1)  # rebuilt for in-epoch switching, but the worker count stays the user's
+    with pytest.warns(UserWarning, match="worker processes in total"), caplog.at_level(logging.INFO):
+        make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(Many(step_ms=1))
+    assert tuner.trials[0].settings.num_workers == CORES + 2
+    assert not [r for r in caplog.records if "starts more worker processes" in r.getMessage()]
