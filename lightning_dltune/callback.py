@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dltune._warn import reset_warnings
 from lightning_dltune.agree import Agreement
 from lightning_dltune.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.cache import RunCache
@@ -189,6 +190,7 @@ class DataLoaderTuner(Callback):
         if stage != "fit":
             return
         self.state.begin_fit()
+        reset_warnings()  # a second fit (a notebook, a sweep) is told again what the first was told
         self.budget = tuner_budget(
             max(1, int(trainer.num_devices)), self.max_workers, self.max_prefetch, self.max_memory
         )

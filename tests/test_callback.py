@@ -147,6 +147,9 @@ def test_iterable_dataset_is_measured_not_retuned(tmp_path):
         trainer.fit(M(step_ms=1))
     assert trainer.train_dataloader.num_workers == 0
     assert tuner.phase == "disabled" and len(tuner.trials) == 2
+    again = make_trainer(tmp_path / "again", [DataLoaderTuner(min_steps=2)], max_epochs=1, logger=False)
+    with pytest.warns(DLTuneWarning, match="IterableDataset"):  # a second fit in the same process is told again
+        again.fit(M(step_ms=1))
 
 
 def test_validate_stage_is_left_alone(tmp_path):
