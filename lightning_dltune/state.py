@@ -122,6 +122,11 @@ class TuningState:
         self.target, self._cached_entry, self.cache_hit = settings, entry, True
         return True
 
+    @property
+    def failed_configs(self) -> set[LoaderSettings]:
+        """Configs that failed in this run: never chosen again."""
+        return {t.settings for t in self.trials if t.failed}
+
     def tuner_changed_workers(self) -> bool:
         """Whether the running loader's workers are set up otherwise than the user had them."""
         cur, start = self.current, self.start
@@ -137,7 +142,7 @@ class TuningState:
         ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
         settles on the same fallback. Pure."""
         if failed:
-            never = set(failed) | {t.settings for t in self.trials if t.failed}
+            never = set(failed) | self.failed_configs
             fallback = self._fallback(never, failed[0])
             names = ", ".join(sorted({f.describe() for f in failed}))
             return Decision("settle", fallback, f"{names} failed on a rank: every rank falls back to the same config")
@@ -161,7 +166,7 @@ class TuningState:
         assert self.current is not None
         self._cached_entry = None
         if failed and decision is not None:  # agreed after a failure on some rank: the window mixed configs
-            known = {t.settings for t in self.trials if t.failed}
+            known = self.failed_configs
             self.trials += [
                 Trial(f, WindowStats(), failed="failed on a rank") for f in dict.fromkeys(failed) if f not in known
             ]
@@ -198,7 +203,7 @@ class TuningState:
             return None
         self.recoveries += 1
         failed = self.current
-        never = {t.settings for t in self.trials if t.failed} | {failed}
+        never = self.failed_configs | {failed}
         fallback = self._fallback(never, failed)
         if agree_later:  # distributed: this rank falls back now, the phase and the trial are agreed later
             self.unagreed = self.unagreed or failed
@@ -231,11 +236,10 @@ class TuningState:
 
     def headline(self) -> str:
         """What the tuner did, for the summary printed when tuning ends."""
-        result = self.result.describe() if self.result else "?"
         if self.phase is Phase.HELD and self.held is not None:
             current = self.current.describe() if self.current else "?"
             return f"stays on {current} for the rest of this run: {self.held.reason}"
-        return f"settled on {result}"
+        return f"settled on {self.result.describe() if self.result else '?'}"
 
     def cacheable(self) -> LoaderSettings | None:
         """The result to teach the cache: a settled config, or a held one that beat the start."""
