@@ -17,6 +17,25 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DLTUNE_CACHE", str(tmp_path / "dltune_cache.json"))
 
 
+@pytest.fixture
+def lightning_log(caplog):
+    """The records of Lightning's ``rank_zero_info``/``rank_zero_warn`` logger. Lightning stops that logger
+    propagating to the root logger (where ``caplog`` listens) when the root had no handler at import time,
+    which depends on the import order, so the capture handler is attached to Lightning's logger itself."""
+    import logging
+
+    logger = logging.getLogger("lightning.pytorch")
+    propagate = logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.propagate = False  # each record once, whichever way Lightning set it up
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail a test that leaves worker processes or dltune threads behind."""
