@@ -22,6 +22,8 @@ from lightning_dltune.settings import LoaderSettings
 T = TypeVar("T")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
 _INT_FIELDS = ("steps", "samples", "gpu_steps")
+# memory is held per node: the rank whose workers hold the most decides (not the slowest rank's)
+_MAX_FIELDS = tuple(f for f in _STATS_FIELDS if "mem" in f or f == "batch_bytes")
 
 
 class Agreement:
@@ -75,6 +77,8 @@ class Agreement:
         values: dict[str, Any] = dict(zip(_STATS_FIELDS, slowest[: len(_STATS_FIELDS)], strict=True))
         for name in _INT_FIELDS:
             values[name] = int(values[name])
+        for name in _MAX_FIELDS:
+            values[name] = float(table[:, col(name)].max())
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
         self.stall_spread = float(stall.max() - stall.min())
         n = len(_STATS_FIELDS)

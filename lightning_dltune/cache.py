@@ -204,14 +204,18 @@ class RunCache:
         if self.option is not False and self.fields is not None:
             TuningCache(self.path).drop(self.fields)
 
-    def remember(self, settings: LoaderSettings | None, trial: Trial | None) -> None:
-        """Teach the cache ``settings``, measured by ``trial``; an unmeasured result (a fallback after a failure)
-        drops the entry instead: it would always "verify", and the entry it replaces may be the config that failed."""
+    def remember(self, settings: LoaderSettings | None, trial: Trial | None, memory_limit: int | None = None) -> None:
+        """Teach the cache ``settings``, measured by ``trial``, and the most workers the memory budget held
+        (``memory_limit``, when a config went over it); an unmeasured result (a fallback after a failure) drops the
+        entry instead: it would always "verify", and the entry it replaces may be the config that failed."""
         if settings is not None and trial is None:
             self.forget()
         if self.option is False or self.fields is None or settings is None or trial is None:
             return
-        TuningCache(self.path).put(self.fields, settings, {**entry_extra(trial), "sample_cost_s": self.fingerprint})
+        extra = {**entry_extra(trial), "sample_cost_s": self.fingerprint}
+        if memory_limit is not None:
+            extra["memory_limit_workers"] = memory_limit
+        TuningCache(self.path).put(self.fields, settings, extra)
 
 
 def start_method(loader: Any) -> str:

@@ -227,12 +227,12 @@ class DataLoaderTuner(Callback):
     @rank_zero_only
     def _remember(self) -> None:
         settings = self.state.cacheable()
-        self._cache.remember(settings, self.state.final_trial(settings) if settings else None)
+        self._cache.remember(settings, self.state.final_trial(settings) if settings else None, self.state.memory_limit)
 
     # --- the loop's hooks ---------------------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.probe.epoch_started()
+        self.probe.epoch_started(trainer.num_training_batches)
         self.switcher.epoch_started()
         self.plan.epoch_started(self.switcher.resumable, self.state.tuning, trainer.num_training_batches)
 
@@ -252,6 +252,8 @@ class DataLoaderTuner(Callback):
         if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
             self._steps_since_log = 0
             self._log(trainer)
+        if self._over_memory_budget():  # held at once, tuning or not (a distributed run agrees at a window's end)
+            return self._close_window(trainer, now=self.switcher.resumable, done=batch_idx + 1)
         if not (self.switcher.resumable and self.state.tuning):
             return
         batches = trainer.num_training_batches
@@ -283,6 +285,11 @@ class DataLoaderTuner(Callback):
             # short epochs pool into one window; in-epoch windows carry over into the next epoch
             self._close_window(trainer, now=False, done=trainer.num_training_batches)
 
+    def _over_memory_budget(self) -> bool:
+        budget = None if self.budget is None else self.budget.memory_bytes
+        local = self.state.switching and not self.agreement.distributed
+        return local and self.probe.over_budget(self.state.current, budget)
+
     def _window_steps(self) -> int:
         """Under DDP every rank must close a window at the same step: count what all ranks count alike."""
         return self.probe.window_batches if self.agreement.distributed else self.probe.window_steps
@@ -298,7 +305,7 @@ class DataLoaderTuner(Callback):
     def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
         """Judge the window that just ended; ``done``: batches of this epoch already trained."""
         assert self.budget is not None
-        stats = self._measured() if not self.state.done else WindowStats()
+        stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
         stats, budget, decision = self.agreement.decide(
             stats, self.budget, lambda s, b, f: self.state.decide(s, b, left, f), self.state.unagreed

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from lightning_dltune import memory
 from lightning_dltune.measure import WindowStats
+from lightning_dltune.memory import MiB, WorkerMemory
 from lightning_dltune.settings import LoaderSettings
 
 Action = Literal["measure", "try", "settle", "hold"]
@@ -98,8 +100,13 @@ class Estimate:
     cpu_cap_workers: int  # the most workers the CPUs can keep busy (may exceed ``Budget.max_workers``)
     mem_cap_workers: int | None = None  # the most workers the memory budget holds (None: unbounded)
     shm_cap_slots: int | None = None  # the most batches in flight /dev/shm holds (workers x prefetch)
-    worker_mem_bytes: float = 0.0
+    worker_mem_bytes: float = 0.0  # a worker's predicted size at the end of its life, at the memory cap
     batch_bytes: float = 0.0
+    memory: WorkerMemory = field(default_factory=WorkerMemory)  # measured (or the prior, see ``mem_measured``)
+    mem_measured: bool = False
+    safe_workers: int | None = None  # workers that fit even at the ceiling (None: no budget or no ceiling)
+    mem_life_batches: float = math.inf
+    mem_ceiling_bytes: float = 0.0  # what this process holds (not file-backed): a worker's most
 
     @property
     def cpu_bound(self) -> bool:
@@ -108,10 +115,13 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Decision:
+    """``failed``: why the config being left failed (it went over the memory budget); it is never chosen again."""
+
     action: Action
     settings: LoaderSettings
     reason: str
     estimate: Estimate | None = field(default=None, compare=False)
+    failed: str | None = None
 
 
 def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Estimate:
@@ -141,14 +151,22 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         cpu_cap = max(1, math.floor(worker_cpus * batch / cpu_per_batch + 1e-9))
     else:  # waiting on I/O: the CPUs do not limit the worker count
         cpu_cap = max(budget.max_workers, needed)
-    measured_mem = [t.stats.worker_mem_bytes for t in usable if t.stats.worker_mem_bytes > 0]
-    worker_mem = max(measured_mem) if measured_mem else policy.worker_mem_prior
     batch_bytes = max((t.stats.batch_bytes for t in usable), default=0.0)
+    mem, measured = worker_memory(trials, policy)
+    ceiling = max((t.stats.main_mem_bytes for t in trials), default=0.0) or None
+    life = life_batches(last.settings, s.epoch_batches)
     pf = last.settings.prefetch_factor or 2
-    mem_cap = None
-    if budget.memory_bytes is not None:
-        pinned = batch_bytes * pf if last.settings.pin_memory else 0.0
-        mem_cap = int(budget.memory_bytes // (worker_mem + pinned)) if worker_mem + pinned > 0 else None
+    flight = memory.in_flight_bytes(batch_bytes, pf, last.settings.pin_memory)
+    mem_cap = safe = None
+    per_worker = mem.base_bytes
+    if budget.memory_bytes is not None and ceiling is not None:
+        safe = memory.safe_workers(ceiling, budget.memory_bytes, flight)
+    # unmeasured, with the ceiling known, the workers are measured before a far jump (see decide); the prior
+    # caps only a run that cannot say what its process holds
+    if budget.memory_bytes is not None and (measured or ceiling is None):
+        limit = max(budget.max_workers, needed, 1)
+        mem_cap = memory.max_workers(mem, budget.memory_bytes, life, ceiling, flight, limit)
+        per_worker = memory.worker_bytes(mem, max(1, mem_cap), life, ceiling)
     shm_cap = None
     if budget.shm_bytes is not None and batch_bytes > 0:
         shm_cap = int(budget.shm_bytes * policy.shm_fraction // batch_bytes)
@@ -161,9 +179,70 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         cpu_cap_workers=cpu_cap,
         mem_cap_workers=mem_cap,
         shm_cap_slots=shm_cap,
-        worker_mem_bytes=worker_mem,
+        worker_mem_bytes=per_worker,
         batch_bytes=batch_bytes,
+        memory=mem,
+        mem_measured=measured,
+        safe_workers=safe,
+        mem_life_batches=life,
+        mem_ceiling_bytes=ceiling or 0.0,
     )
+
+
+def worker_memory(trials: Sequence[Trial], policy: Policy = Policy()) -> tuple[WorkerMemory, bool]:
+    """The workers' memory over every trial that measured it (failed ones too: a config over the budget measured
+    the most): the largest base, growth and peaks; the policy's prior when none did. And whether one did."""
+    seen = [t.stats.worker_memory for t in trials if t.settings.num_workers > 0 and t.stats.worker_mem_bytes > 0]
+    if not seen:
+        prior = policy.worker_mem_prior
+        return WorkerMemory(prior, 0.0, prior, 0.0, 0), False
+    return (
+        WorkerMemory(
+            max(m.base_bytes for m in seen),
+            max(m.growth_bytes for m in seen),
+            max(m.peak_worker_bytes for m in seen),
+            max(m.peak_total_bytes for m in seen),
+            len(seen),
+        ),
+        True,
+    )
+
+
+def life_batches(settings: LoaderSettings, epoch_batches: float) -> float:
+    """Batches a worker set is budgeted for: an epoch (``inf`` when the epoch's length is unknown). Persistent
+    workers go on growing in later epochs, up to the ceiling: the budget check at every step catches that."""
+    if not epoch_batches or not math.isfinite(epoch_batches):
+        return math.inf
+    return float(epoch_batches)
+
+
+def enforce_memory(
+    trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), tuning: bool = True
+) -> Decision | None:
+    """When the last window's workers (with their batches in flight) held more than the memory budget: go down,
+    at once, to the most workers the measured size and growth predict to fit (``"try"`` while ``tuning``, else
+    ``"settle"``); the config left is recorded as failed. ``None`` when within the budget."""
+    if not trials or budget.memory_bytes is None:
+        return None
+    last = trials[-1]
+    s, cur = last.stats, last.settings
+    flight = memory.in_flight_bytes(s.batch_bytes, cur.prefetch_factor, cur.pin_memory)
+    if last.failed is not None or not memory.over_budget(
+        s.worker_mem_total_bytes, cur.num_workers, flight, budget.memory_bytes
+    ):
+        return None
+    mem, _ = worker_memory(trials, policy)
+    life = life_batches(cur, s.epoch_batches)
+    ceiling = s.main_mem_bytes or None
+    fit = memory.max_workers(mem, budget.memory_bytes, life, ceiling, flight, cur.num_workers - 1)
+    cand = cur.with_workers(fit)
+    held = s.worker_mem_total_bytes + cur.num_workers * flight
+    over = f"over the memory budget ({held / MiB:.0f} MiB of {budget.memory_bytes / MiB:.0f} MiB)"
+    reason = (
+        f"{cur.describe()} went {over}: {memory.describe_growth(mem, life, cur.num_workers)}; "
+        f"{fit} workers are predicted to fit"
+    )
+    return Decision("try" if tuning else "settle", cand, reason, failed=over)
 
 
 def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
@@ -213,6 +292,9 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
+    down = enforce_memory(trials, budget, policy)
+    if down is not None:  # at once, however short the window
+        return down
     if last.failed is None and last.stats.steps < policy.min_steps:
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:
@@ -278,10 +360,21 @@ def decide(
         if est.needed_workers <= w:
             why = "the model (the wait is not from too few workers)"
         return settle(f"no more workers to add within {why}", est)
+    first = _measure_memory_first(est, budget, w, target)
+    target = first or target
     cand = cur.with_workers(target)
     if cand in tried:
         return settle(f"{cand.describe()} was already measured", est)
     limit = f" (capped at {target} by {binding})" if target < est.needed_workers else ""
+    if first is not None:
+        assert budget.memory_bytes is not None and est.safe_workers is not None
+        full = min(est.needed_workers, cap)
+        limit = (
+            f"; {first} first, to measure a worker's memory before going to {full}: {full} workers fit the "
+            f"{budget.memory_bytes / MiB:.0f} MiB budget only if each holds under "
+            f"{budget.memory_bytes / full / MiB:.0f} MiB, and a worker can come to hold this process's "
+            f"{est.mem_ceiling_bytes / MiB:.0f} MiB"
+        )
     predicted_wall = max(est.busy_s, est.batch_s / target)
     return try_(
         cand,
@@ -290,6 +383,16 @@ def decide(
         f"{est.needed_workers} workers hide it{limit}",
         est,
     )
+
+
+def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: int) -> int | None:
+    """A smaller worker count to measure first, when no worker's memory was measured yet and ``target`` workers
+    would not fit the budget if each came to hold all this process holds (``None``: jump to ``target``)."""
+    if est.mem_measured or est.safe_workers is None or budget.memory_bytes is None or workers > 0:
+        return None
+    if target <= est.safe_workers:
+        return None
+    return max(1, est.safe_workers)
 
 
 def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Policy()) -> float:
@@ -330,8 +433,11 @@ def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Pol
         return None
     if budget.memory_bytes is not None:
         w = cand.num_workers
-        in_flight = cand.batches_in_flight + 1  # the pin thread's batch too
-        if s.batch_bytes * in_flight + w * s.worker_mem_bytes > budget.memory_bytes:
+        flight = memory.in_flight_bytes(s.batch_bytes, cand.prefetch_factor, True)
+        mem, _ = worker_memory(trials, policy)
+        pin_thread = s.batch_bytes  # the batch the pin thread holds
+        total = memory.total_bytes(mem, w, life_batches(cand, s.epoch_batches), None, flight) + pin_thread
+        if total > budget.memory_bytes:
             return None
     return Decision(
         "try",
@@ -357,12 +463,44 @@ def diagnose(
     """One sentence that says what bounds training, for the summary and the report. ``held``: the ``"hold"``
     decision that stopped tuning for the rest of the run, if one did (said at the end)."""
     text = _diagnose(trials, settled, budget, policy, held is not None)
+    text += memory_diagnosis(trials, budget, policy)
     if held is None:
         return text
     return (
         f"{text} Tuning stopped for this run: {held.reason}; a longer or resumed run goes on to "
         f"{held.settings.describe()}."
     )
+
+
+def memory_diagnosis(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> str:
+    """A sentence on the workers' memory when a config went over the budget (``""`` otherwise): the cause, the
+    measured size and growth, and the fix."""
+    over = [t for t in trials if t.failed and "memory budget" in t.failed]
+    if not over or budget.memory_bytes is None:
+        return ""
+    mem, _ = worker_memory(trials, policy)
+    last = over[-1]
+    life = life_batches(last.settings, last.stats.epoch_batches)
+    return (
+        f" Memory: {last.settings.describe()} went {last.failed} and was left at once: "
+        f"{memory.describe_growth(mem, life, last.settings.num_workers)}. {_memory_cause(mem)} {_MEMORY_FIX}; "
+        "then more workers fit."
+    )
+
+
+_MEMORY_FIX = (
+    "Keep the data in numpy arrays or tensors instead of lists of Python objects, memory-map files, or load "
+    "lazily in `__getitem__`"
+)
+
+
+def _memory_cause(mem: WorkerMemory) -> str:
+    if mem.growth_bytes > 0:
+        return (
+            "Each worker makes its own copy of the dataset's Python objects as it reads them (copy-on-read), or "
+            "keeps what it loaded."
+        )
+    return "Each worker holds its own copy of the dataset's objects."
 
 
 def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
@@ -415,7 +553,16 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         )
     est = estimate(usable, budget, policy)
     cap, binding = worker_cap(est, budget, settled.prefetch_factor or 2)
-    if binding.startswith(("the memory", "the shared")) and cap <= settled.num_workers < est.needed_workers:
+    if binding.startswith("the memory") and cap <= settled.num_workers < est.needed_workers:
+        assert budget.memory_bytes is not None
+        return (
+            f"input-bound and held back by the memory budget: still {fs.effective_stall_frac:.0%} of the time "
+            f"waiting for data with {settled.describe()}, the model wants {est.needed_workers} workers and "
+            f"{cap} fit {budget.memory_bytes / MiB:.0f} MiB: "
+            f"{memory.describe_growth(est.memory, est.mem_life_batches, max(1, cap))}. {_memory_cause(est.memory)} "
+            f"{_MEMORY_FIX}, or raise `max_memory`."
+        )
+    if binding.startswith("the shared") and cap <= settled.num_workers < est.needed_workers:
         return (
             f"input-bound and held back by {binding}: still {fs.effective_stall_frac:.0%} of the time waiting for data "
             f"with {settled.describe()}, the model wants {est.needed_workers} workers. Free memory, make the "
@@ -464,8 +611,11 @@ def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: P
         return None
     if settings.num_workers > budget.max_workers or (settings.prefetch_factor or 0) > budget.max_prefetch:
         return None
-    if budget.memory_bytes is not None and settings.num_workers * s.worker_mem_bytes > budget.memory_bytes:
-        return None
+    if budget.memory_bytes is not None:
+        flight = memory.in_flight_bytes(s.batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        life = life_batches(settings, s.epoch_batches)
+        if memory.total_bytes(s.worker_memory, settings.num_workers, life, None, flight) > budget.memory_bytes:
+            return None
     cached = entry.get("samples_per_s")
     than = f", cached {float(cached):.0f}" if isinstance(cached, (int, float)) else ""
     return Decision(

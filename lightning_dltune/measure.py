@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lightning_dltune.gpu import GpuStats
+from lightning_dltune.memory import WorkerMemory
 
 Clock = Callable[[], float]
 
@@ -50,7 +51,12 @@ class WindowStats:
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
     startup_s: float = 0.0
-    worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker at the window's end
+    worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
+    worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
+    worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
+    worker_mem_growth_bytes: float = 0.0  # what a worker's USS grows per batch it loads (copy-on-read), fitted
+    main_mem_bytes: float = 0.0  # the training process's own footprint (RSS): what a worker can come to hold
+    epoch_batches: float = 0.0  # batches in an epoch of the loader (0: unknown, inf: unbounded)
     batch_bytes: float = 0.0  # tensor bytes of one batch
     gpu_steps: int = 0  # steps the GPU timeline read (CUDA only); the gpu_* sums cover these steps
     gpu_idle_s: float = 0.0  # the GPU idle while the host waited for the loader
@@ -112,8 +118,34 @@ class WindowStats:
     def with_cpu(self, worker_cpu_s: float, main_cpu_s: float) -> WindowStats:
         return replace(self, worker_cpu_s=worker_cpu_s, main_cpu_s=main_cpu_s)
 
-    def with_memory(self, worker_mem_bytes: float, batch_bytes: float) -> WindowStats:
-        return replace(self, worker_mem_bytes=worker_mem_bytes, batch_bytes=batch_bytes)
+    def with_memory(
+        self,
+        mem: WorkerMemory,
+        batch_bytes: float,
+        main_mem_bytes: float = 0.0,
+        epoch_batches: float = 0.0,
+    ) -> WindowStats:
+        return replace(
+            self,
+            worker_mem_bytes=mem.peak_worker_bytes,
+            worker_mem_total_bytes=mem.peak_total_bytes,
+            worker_mem_base_bytes=mem.base_bytes,
+            worker_mem_growth_bytes=mem.growth_bytes,
+            batch_bytes=batch_bytes,
+            main_mem_bytes=main_mem_bytes,
+            epoch_batches=epoch_batches,
+        )
+
+    @property
+    def worker_memory(self) -> WorkerMemory:
+        """The window's fit of the workers' memory (:mod:`lightning_dltune.memory`)."""
+        return WorkerMemory(
+            self.worker_mem_base_bytes or self.worker_mem_bytes,
+            self.worker_mem_growth_bytes,
+            self.worker_mem_bytes,
+            self.worker_mem_total_bytes,
+            1 if self.worker_mem_bytes > 0 else 0,
+        )
 
     def with_gpu(self, gpu: GpuStats) -> WindowStats:
         return replace(

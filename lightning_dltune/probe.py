@@ -2,12 +2,14 @@
 
 :class:`Probe` owns the host :class:`~lightning_dltune.measure.StepTimer`, the CUDA
 :class:`~lightning_dltune.gpu.GpuTimeline` and the NVML sampler (on CUDA devices), the CPU-time snapshot of the
-window and the batch size in bytes; the worker processes' memory is read at :meth:`Probe.close`, which returns
-the window's :class:`~lightning_dltune.measure.WindowStats`.
+window, the batch size in bytes, and the :class:`MemoryWatch` that reads the workers' memory in the background
+(every 0.25 s, so growth inside an epoch is seen and the budget can be held at the next step).
+:meth:`Probe.close` returns the window's :class:`~lightning_dltune.measure.WindowStats`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,19 +19,110 @@ import torch
 from lightning_dltune import gpu
 from lightning_dltune._warn import warn_once
 from lightning_dltune.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
+from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, over_budget
 
 
-def worker_uss(pids: list[int]) -> float:
-    """Largest unique memory (USS) of the processes ``pids``, 0 for none."""
+def worker_uss(pids: list[int]) -> list[float]:
+    """The unique memory (USS) of each of the processes ``pids`` still alive."""
     import psutil
 
     sizes = []
     for pid in pids:
         try:
-            sizes.append(psutil.Process(pid).memory_full_info().uss)
+            sizes.append(float(psutil.Process(pid).memory_full_info().uss))
         except psutil.Error:
             continue
-    return float(max(sizes, default=0))
+    return sizes
+
+
+def own_footprint() -> float:
+    """This process's resident memory that is not file-backed (its heap: the dataset's objects, tensors): the most
+    a forked worker can come to copy of it. Code and mapped files stay shared."""
+    import psutil
+
+    try:
+        info = psutil.Process().memory_info()
+    except psutil.Error:
+        return 0.0
+    return float(max(0, info.rss - getattr(info, "shared", 0)))
+
+
+class MemoryWatch:
+    """Samples the running loader's workers' USS every ``interval_s`` in a thread, so memory that grows during
+    an epoch (copy-on-read) is seen while it grows, not only when a window closes.
+
+    The training loop counts the batches it took (:meth:`batch_taken`); a sample records, for the worker set it
+    read (the same PIDs), the batches taken since that set started. :meth:`take` fits the window's samples
+    (:func:`lightning_dltune.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of
+    the current window, for the budget check at each step.
+    """
+
+    def __init__(
+        self,
+        worker_pids: Callable[[], list[int]] = list,
+        interval_s: float = 0.25,
+        read: Callable[[list[int]], list[float]] = worker_uss,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._worker_pids, self._read, self._clock = worker_pids, read, clock
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._samples: list[MemorySample] = []
+        self._window = 0  # bumped by take(): a reading begun before it belongs to no window
+        self._pids: frozenset[int] = frozenset()
+        self._set_start = 0
+        self.batches = 0
+        self.latest: MemorySample | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def batch_taken(self) -> None:
+        self.batches += 1
+
+    def sample(self) -> MemorySample | None:
+        """Read the workers now (the thread calls this; a window that saw no reading calls it at its end)."""
+        window = self._window
+        try:
+            pids = list(self._worker_pids())
+        except Exception:  # the loader is being rebuilt: read next time
+            return None
+        sizes = self._read(pids) if pids else []
+        if not sizes:
+            return None
+        batches = self.batches
+        with self._lock:
+            if frozenset(pids) != self._pids:
+                self._pids, self._set_start = frozenset(pids), batches
+            reading = MemorySample(self._clock(), batches - self._set_start, len(sizes), sum(sizes), max(sizes))
+            if window == self._window:
+                self._samples.append(reading)
+                self.latest = reading
+        return reading
+
+    def take(self) -> WorkerMemory:
+        """The fit of the window's readings (one is taken now if there was none); starts the next window."""
+        if not self._samples:
+            self.sample()
+        with self._lock:
+            samples, self._samples, self.latest = self._samples, [], None
+            self._window += 1
+        return fit(samples)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="dltune-memory", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval_s + 1.0)
+            self._thread = None
 
 
 class Probe:
@@ -39,7 +132,9 @@ class Probe:
         worker_pids: the PIDs of the running train loader's workers (asked when a window closes).
         clock, cpu_clock: as for :class:`~lightning_dltune.measure.StepTimer`.
         cpu_seconds: ``() -> (this process, its children)`` CPU seconds.
-        memory_of: ``(pids) -> bytes`` of the largest worker.
+        memory_of: ``(pids) -> [bytes]``, each worker's unique memory.
+        footprint: ``() -> bytes`` this process holds (what a forked worker can come to hold).
+        memory_interval_s: how often the workers' memory is read during a window.
     """
 
     def __init__(
@@ -48,24 +143,30 @@ class Probe:
         clock: Clock = time.perf_counter,
         cpu_clock: Clock = time.thread_time,
         cpu_seconds: Callable[[], tuple[float, float]] = process_cpu_seconds,
-        memory_of: Callable[[list[int]], float] = worker_uss,
+        memory_of: Callable[[list[int]], list[float]] = worker_uss,
+        footprint: Callable[[], float] = own_footprint,
+        memory_interval_s: float = 0.25,
     ) -> None:
         self._worker_pids = worker_pids
         self._clock, self._cpu_clock = clock, cpu_clock
         self._cpu_seconds = cpu_seconds
-        self._memory_of = memory_of
+        self.memory = MemoryWatch(worker_pids, memory_interval_s, memory_of, clock)
+        self._footprint = footprint
+        self.epoch_batches = 0.0
         self.timer = StepTimer(clock, cpu_clock)
         self.gpu: gpu.GpuTimeline | None = None
         self.nvml: Any = None
         self._nvml_metrics: dict[str, float] = {}
         self._cpu0: tuple[float, float] | None = None
         self._batch_bytes: float | None = None
+        self._known_batch_bytes = 0.0  # the last batch measured, kept once tuning ended (memory's in flight)
 
     def start(self, device: Any, log_gpu: bool = True) -> None:
         """A new ``fit`` on ``device``: fresh windows; on CUDA a GPU timeline and (``log_gpu``) NVML sampling."""
         self.timer = StepTimer(self._clock, self._cpu_clock)
         self.gpu = gpu.timeline_for(device)
         self._cpu0 = self._batch_bytes = None
+        self.memory.start()
         if log_gpu and getattr(device, "type", None) == "cuda":
             from lightning_dltune.nvml import open_sampler
 
@@ -74,7 +175,8 @@ class Probe:
                 warn_once("nvml", f"GPU utilization is not logged: {why}.")
 
     def stop(self) -> None:
-        """Stop GPU measurement (the NVML thread included); safe to call twice."""
+        """Stop GPU and memory measurement (their threads included); safe to call twice."""
+        self.memory.stop()
         self.gpu = None
         if self.nvml is not None:
             if self.nvml.error:
@@ -89,7 +191,9 @@ class Probe:
     def rebuilt_in_fetch(self) -> None:
         self.timer.rebuilt_in_fetch()
 
-    def epoch_started(self) -> None:
+    def epoch_started(self, batches: float = 0.0) -> None:
+        """An epoch of ``batches`` batches begins (0: unknown)."""
+        self.epoch_batches = float(batches)
         self.timer.epoch_started()
         if self.gpu is not None:
             self.gpu.epoch_started()
@@ -114,8 +218,9 @@ class Probe:
         if self.gpu is not None:
             self.gpu.step_ended()
         self.timer.step_ended(batch_size(batch))
+        self.memory.batch_taken()
         if details and self._batch_bytes is None:
-            self._batch_bytes = float(tensor_bytes(batch))
+            self._batch_bytes = self._known_batch_bytes = float(tensor_bytes(batch))
         if details and self._cpu0 is None:
             # CPU is counted from the end of a window's first step: worker start-up is not steady state
             self._cpu0 = self._cpu_seconds()
@@ -149,9 +254,22 @@ class Probe:
         if self._cpu0 is not None:
             (main0, kids0), (main1, kids1) = self._cpu0, self._cpu_seconds()
             stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
-        stats = stats.with_memory(self._memory_of(self._worker_pids()), self._batch_bytes or 0.0)
+        stats = stats.with_memory(self.memory.take(), self._batch_bytes or 0.0, self._footprint(), self.epoch_batches)
         self._cpu0 = self._batch_bytes = None
         return stats
+
+    def memory_only(self) -> WindowStats:
+        """The memory part of a window once tuning ended (the budget is still held); starts the next."""
+        mem = self.memory.take()
+        return WindowStats().with_memory(mem, self._known_batch_bytes, self._footprint(), self.epoch_batches)
+
+    def over_budget(self, settings: Any, budget_bytes: float | None) -> bool:
+        """Whether the workers' latest reading, with their batches in flight, is over ``budget_bytes``."""
+        latest = self.memory.latest
+        if latest is None or budget_bytes is None or settings is None:
+            return False
+        flight = in_flight_bytes(self._known_batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        return over_budget(latest.total_bytes, latest.workers, flight, budget_bytes)
 
     def skip(self) -> None:
         """Drop the window without judging it (tuning has ended)."""

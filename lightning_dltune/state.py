@@ -21,7 +21,17 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
-from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose, pick_best, verify_cached
+from lightning_dltune.decide import (
+    Budget,
+    Decision,
+    Policy,
+    Trial,
+    decide,
+    diagnose,
+    enforce_memory,
+    pick_best,
+    verify_cached,
+)
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.report import trial_from_dict, trial_to_dict
 from lightning_dltune.settings import LoaderSettings
@@ -80,6 +90,7 @@ class TuningState:
         self.cache_hit = False
         self.recoveries = 0
         self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
+        self.memory_limit: int | None = None  # the most workers the memory budget held (an earlier run's, cached)
         self._cached_entry: dict[str, Any] | None = None
 
     # --- the loader ---------------------------------------------------------------------------------------------
@@ -120,6 +131,9 @@ class TuningState:
         if not self.tuning or self.target is not None or self.trials:
             return False
         self.target, self._cached_entry, self.cache_hit = settings, entry, True
+        limit = entry.get("memory_limit_workers")
+        if isinstance(limit, int) and limit >= 0:
+            self.memory_limit = limit
         return True
 
     @property
@@ -146,9 +160,14 @@ class TuningState:
             fallback = self._fallback(never, failed[0])
             names = ", ".join(sorted({f.describe() for f in failed}))
             return Decision("settle", fallback, f"{names} failed on a rank: every rank falls back to the same config")
-        if self.current is None or not self.tuning:
+        if self.current is None or not self.switching:
             return None
+        if self.memory_limit is not None:
+            budget = replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
         trial = Trial(self.current, stats)
+        down = enforce_memory([*self.trials, trial], budget, self.policy, tuning=self.tuning)
+        if down is not None or not self.tuning:  # the memory budget is held after tuning too
+            return down
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
@@ -178,7 +197,10 @@ class TuningState:
             if not self.done:  # observing or disabled: the window is recorded as it was
                 self.trials.append(Trial(self.current, stats))
             return None
-        self.trials.append(Trial(self.current, stats, decision=decision_text(decision)))
+        self.trials.append(Trial(self.current, stats, failed=decision.failed, decision=decision_text(decision)))
+        if decision.failed is not None:  # only the memory budget fails a config by decision
+            limit = decision.settings.num_workers
+            self.memory_limit = limit if self.memory_limit is None else min(self.memory_limit, limit)
         if decision.action == "try":
             self.target = decision.settings
         elif decision.action == "settle":
@@ -276,6 +298,7 @@ class TuningState:
             "target": None if target is None else target.to_loader_kwargs(),
             "settled_step": self.settled_step,
             "diagnosis": self.diagnosis,
+            "memory_limit": self.memory_limit,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -284,6 +307,8 @@ class TuningState:
         self.best_settings = state.get("best_settings")
         self.settled_step = state.get("settled_step")
         self.diagnosis = state.get("diagnosis", "")
+        limit = state.get("memory_limit")
+        self.memory_limit = limit if isinstance(limit, int) else None
         start, target = state.get("start"), state.get("target")
         self.start = None if start is None else LoaderSettings.from_dict(start)
         if self.observe_only:

@@ -2,6 +2,7 @@ import pytest
 
 from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best
 from lightning_dltune.measure import WindowStats
+from lightning_dltune.memory import MiB
 from lightning_dltune.settings import LoaderSettings
 
 BUDGET = Budget(cpus=2.0, max_workers=16)
@@ -159,10 +160,17 @@ def test_diagnosis(trials, settled, prefix):
     assert diagnose(trials, settled, BUDGET).startswith(prefix)
 
 
-def with_mem(t, worker_mib, batch_mib=0.0):
+def with_mem(t, worker_mib, batch_mib=0.0, growth_mib=0.0, main_mib=0.0, epoch=0, total_mib=None):
+    """``t`` with its workers measured at ``worker_mib`` each (their sum ``total_mib``), growing ``growth_mib``
+    per batch a worker loads, in a process of ``main_mib`` and an epoch of ``epoch`` batches."""
     from dataclasses import replace
 
-    return replace(t, stats=t.stats.with_memory(worker_mib * 2**20, batch_mib * 2**20))
+    from lightning_dltune.memory import WorkerMemory
+
+    w = t.settings.num_workers
+    total = worker_mib * w if total_mib is None else total_mib
+    mem = WorkerMemory(worker_mib * MiB, growth_mib * MiB, worker_mib * MiB, total * MiB, 1 if worker_mib else 0)
+    return replace(t, stats=t.stats.with_memory(mem, batch_mib * MiB, main_mib * MiB, epoch))
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,8 @@ class HungryDataset(SyntheticDataset):
 
 def tune_hungry(tmp_path, max_memory):
     dm = SyntheticDataModule(HungryDataset(), batch_size=16, num_workers=0)
+    # cache off: both runs must tune from the same start to compare what the budget held back (a hit would
+    # settle at once); the default cache path has its own tests in test_cache.py
     tuner = DataLoaderTuner(max_memory=max_memory, cache=False, max_trials=6)
     make_trainer(tmp_path, [tuner], max_epochs=5, logger=False).fit(SimulatedModel(step_ms=10), datamodule=dm)
     return tuner

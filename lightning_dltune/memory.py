@@ -1,0 +1,142 @@
+"""The memory model: what a loader's workers come to hold, and how many of them fit the budget. Pure: no torch,
+no psutil, no clock (:class:`~lightning_dltune.probe.MemoryWatch` measures).
+
+A DataLoader worker starts as a copy of the training process (``fork``) that shares its pages. Reading a
+Python object writes its reference count, so every page of the dataset a worker reads becomes the worker's own
+copy (copy-on-read): a worker's unique memory (USS) grows with the batches it produced, up to what the training
+process holds (all there is to copy; a spawned worker unpickles the dataset and comes to the same). So, per
+worker, at the end of its life of ``life`` batches (one epoch, or the rest of the run with persistent workers)::
+
+    uss(w)   = min(ceiling, base + growth * life / w)     w workers share the batches of a life
+    total(w) = w * (uss(w) + in_flight)                    in_flight: its batches in flight (and pinned copies)
+
+``base`` and ``growth`` are fitted on the USS sampled during a window (:func:`fit`); ``ceiling`` is the training
+process's own footprint. Before any worker was measured only the ceiling is known: a config whose workers fit
+even at the ceiling is safe to jump to; a larger one is measured on fewer workers first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One reading of the running loader's workers."""
+
+    t: float  # seconds (any clock)
+    batches: float  # batches the running workers produced since they started, all of them together
+    workers: int
+    total_bytes: float  # the workers' USS, summed
+    largest_bytes: float  # the largest worker's USS
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """A window's fit: a worker's USS is ``base_bytes + growth_bytes * (batches it produced)``."""
+
+    base_bytes: float = 0.0
+    growth_bytes: float = 0.0  # per batch the worker produced
+    peak_worker_bytes: float = 0.0
+    peak_total_bytes: float = 0.0
+    samples: int = 0
+
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0 and self.peak_worker_bytes > 0
+
+
+def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
+    """Least-squares fit of the mean worker's USS against the batches each worker produced, over the samples of
+    the latest worker set (a restart at an epoch start or a switch begins a new one: the batch count drops).
+    The growth is never negative; with fewer than three distinct points it is 0 and the base is the last mean."""
+    readings = [s for s in samples if s.workers > 0 and s.total_bytes > 0]
+    if not readings:
+        return WorkerMemory()
+    peak_worker = max(s.largest_bytes for s in readings)
+    peak_total = max(s.total_bytes for s in readings)
+    start = 0
+    for i in range(1, len(readings)):
+        if readings[i].batches < readings[i - 1].batches or readings[i].workers != readings[i - 1].workers:
+            start = i
+    latest = readings[start:]
+    xs = [s.batches / s.workers for s in latest]
+    ys = [s.total_bytes / s.workers for s in latest]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if len(set(xs)) < 3 or sxx <= 0:
+        return WorkerMemory(ys[-1], 0.0, peak_worker, peak_total, len(readings))
+    growth = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx)
+    base = max(0.0, mean_y - growth * mean_x)
+    return WorkerMemory(base, growth, peak_worker, peak_total, len(readings))
+
+
+def worker_bytes(mem: WorkerMemory, workers: int, life_batches: float, ceiling: float | None) -> float:
+    """Predicted USS of one of ``workers`` workers at the end of a life of ``life_batches`` batches (all workers
+    together; ``inf``: unknown, then a growing worker is taken to reach the ceiling)."""
+    if workers <= 0:
+        return 0.0
+    size = mem.base_bytes
+    if mem.growth_bytes > 0:
+        size += mem.growth_bytes * life_batches / workers  # inf for an unknown life
+    if ceiling is not None and ceiling > 0:
+        size = min(size, max(ceiling, mem.base_bytes))
+    return size
+
+
+def total_bytes(
+    mem: WorkerMemory, workers: int, life_batches: float, ceiling: float | None, in_flight_bytes: float
+) -> float:
+    """Predicted memory of ``workers`` workers and their ``in_flight_bytes`` each (batches and pinned copies)."""
+    return workers * (worker_bytes(mem, workers, life_batches, ceiling) + in_flight_bytes)
+
+
+def max_workers(
+    mem: WorkerMemory,
+    budget_bytes: float,
+    life_batches: float,
+    ceiling: float | None,
+    in_flight_bytes: float,
+    limit: int,
+) -> int:
+    """The most workers (up to ``limit``) whose predicted total stays within ``budget_bytes``."""
+    best = 0
+    for w in range(1, max(0, limit) + 1):
+        if total_bytes(mem, w, life_batches, ceiling, in_flight_bytes) <= budget_bytes:
+            best = w
+    return best
+
+
+def safe_workers(ceiling: float, budget_bytes: float, in_flight_bytes: float) -> int:
+    """How many workers fit even if each comes to hold ``ceiling`` bytes (nothing measured yet)."""
+    per = ceiling + in_flight_bytes
+    return int(budget_bytes // per) if per > 0 else 0
+
+
+def over_budget(total_uss: float, workers: int, in_flight_bytes: float, budget_bytes: float | None) -> bool:
+    """Whether the measured workers (and their batches in flight) hold more than the budget."""
+    if budget_bytes is None or workers <= 0 or total_uss <= 0:
+        return False
+    return total_uss + workers * in_flight_bytes > budget_bytes
+
+
+def in_flight_bytes(batch_bytes: float, prefetch: int | None, pin_memory: bool) -> float:
+    """Bytes one worker keeps in flight: its prefetched batches (in shared memory, or pinned once the pin thread
+    copied them: the shared copy is freed then, so pinning does not double them)."""
+    del pin_memory  # the pin thread's one extra batch is counted by the caller that trials pinning
+    return batch_bytes * (prefetch or 2)
+
+
+def describe_growth(mem: WorkerMemory, life_batches: float, workers: int) -> str:
+    """``"62 MiB per worker, growing 0.8 MiB per batch it loads"``, for diagnoses."""
+    text = f"{mem.peak_worker_bytes / MiB:.0f} MiB per worker"
+    if mem.growth_bytes > 0:
+        text += f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads"
+        end = worker_bytes(mem, workers, life_batches, None) if math.isfinite(life_batches) and workers > 0 else 0.0
+        if end > mem.peak_worker_bytes:
+            text += f" (to {end / MiB:.0f} MiB by the end of an epoch)"
+    return text

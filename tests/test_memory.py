@@ -1,0 +1,183 @@
+"""The memory model (pure) and the watch that feeds it: prior, measured, growing, over budget."""
+
+import math
+
+import pytest
+from test_decide import cfg, trial, with_mem
+
+from lightning_dltune.decide import Budget, Policy, decide, diagnose, estimate
+from lightning_dltune.memory import (
+    MemorySample,
+    MiB,
+    WorkerMemory,
+    fit,
+    in_flight_bytes,
+    max_workers,
+    over_budget,
+    safe_workers,
+    total_bytes,
+    worker_bytes,
+)
+from lightning_dltune.probe import MemoryWatch
+from lightning_dltune.state import TuningState
+
+
+def readings(workers, base_mib, growth_mib, batches):
+    """What a watch reads from ``workers`` workers that start at ``base_mib`` and grow ``growth_mib`` per batch
+    each of them loads, after each of ``batches`` (all workers together)."""
+    return [
+        MemorySample(i, b, workers, workers * (base_mib + growth_mib * b / workers) * MiB, 0.0)
+        for i, b in enumerate(batches)
+    ]
+
+
+def test_the_fit_recovers_base_and_growth_of_the_latest_worker_set():
+    old = readings(4, 100, 9.0, [10, 20, 30])  # an earlier set, bigger: not the running one
+    new = readings(2, 30, 0.5, [0, 8, 16, 24, 32])
+    mem = fit(old + new)
+    assert mem.base_bytes == pytest.approx(30 * MiB)
+    assert mem.growth_bytes == pytest.approx(0.5 * MiB)
+    assert mem.samples == 8
+    assert mem.peak_total_bytes == max(r.total_bytes for r in old)  # the peak is the window's, any set
+
+
+@pytest.mark.parametrize(
+    ("samples", "base_mib", "growth_mib"),
+    [
+        ([], 0.0, 0.0),
+        (readings(2, 30, 0.5, [16]), 30 + 0.5 * 8, 0.0),  # one point: no growth can be fitted
+        (readings(2, 30, 0.0, [0, 10, 20, 30]), 30, 0.0),  # flat
+        ([MemorySample(i, b, 2, (80 - b) * MiB, 0) for i, b in enumerate([0, 10, 20])], None, 0.0),  # shrinking
+    ],
+)
+def test_the_fit_without_enough_points_or_growth(samples, base_mib, growth_mib):
+    mem = fit(samples)
+    if base_mib is not None:
+        assert mem.base_bytes == pytest.approx(base_mib * MiB)
+    assert mem.growth_bytes == growth_mib
+
+
+@pytest.mark.parametrize(
+    ("mem", "workers", "life", "ceiling", "expected_mib"),
+    [
+        (WorkerMemory(40 * MiB), 4, 1000, None, 40),  # measured, flat
+        (WorkerMemory(40 * MiB, 0.1 * MiB), 4, 1000, None, 40 + 0.1 * 250),  # each of 4 loads 250 batches
+        (WorkerMemory(40 * MiB, 0.1 * MiB), 8, 1000, None, 40 + 0.1 * 125),  # more workers, less each
+        (WorkerMemory(40 * MiB, 0.1 * MiB), 1, 1000, 100 * MiB, 100),  # capped at what the process holds
+        (WorkerMemory(40 * MiB, 0.1 * MiB), 4, math.inf, 300 * MiB, 300),  # unknown life: grows to the ceiling
+        (WorkerMemory(40 * MiB), 0, 1000, None, 0),
+    ],
+)
+def test_a_workers_predicted_size(mem, workers, life, ceiling, expected_mib):
+    assert worker_bytes(mem, workers, life, ceiling) == pytest.approx(expected_mib * MiB)
+
+
+def test_the_most_workers_that_fit_count_growth_and_batches_in_flight():
+    growing = WorkerMemory(20 * MiB, 0.2 * MiB)  # 1000 batches an epoch: 200 MiB of copies shared out
+    flight = in_flight_bytes(1 * MiB, 2, pin_memory=False)
+    assert flight == 2 * MiB and in_flight_bytes(1 * MiB, 2, pin_memory=True) == 2 * MiB  # pinned replace shared
+    # w * (20 + 200 / w + 2) = 22 w + 200 <= 400  ->  w <= 9
+    assert max_workers(growing, 400 * MiB, 1000, None, flight, limit=64) == 9
+    assert total_bytes(growing, 9, 1000, None, flight) <= 400 * MiB < total_bytes(growing, 10, 1000, None, flight)
+    assert max_workers(growing, 150 * MiB, 1000, None, flight, limit=64) == 0  # even one worker is over
+    assert max_workers(growing, 400 * MiB, 1000, None, flight, limit=4) == 4
+    assert safe_workers(300 * MiB, 1000 * MiB, 2 * MiB) == 3
+
+
+def test_over_budget_counts_the_batches_in_flight():
+    assert not over_budget(380 * MiB, 4, 4 * MiB, 400 * MiB)
+    assert over_budget(390 * MiB, 4, 4 * MiB, 400 * MiB)
+    assert not over_budget(10_000 * MiB, 4, 0, None)  # no budget
+    assert not over_budget(0, 4, 100 * MiB, 1 * MiB)  # nothing read yet
+
+
+# --- the decision ------------------------------------------------------------------------------------------
+MEM = Budget(cpus=2, max_workers=64, memory_bytes=600 * MiB)
+
+
+def test_prior_a_jump_that_fits_even_at_the_ceiling_goes_straight_there():
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=40)  # this process holds 40 MiB
+    decision = decide([start], MEM, Policy())
+    assert decision.action == "try" and decision.settings == cfg(13)  # 13 x 40 MiB fits 600 MiB
+
+
+def test_prior_a_far_jump_over_the_ceiling_measures_a_smaller_config_first():
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)  # a 250 MiB dataset of objects
+    decision = decide([start], MEM, Policy())
+    assert decision.action == "try" and decision.settings == cfg(2)  # 2 x 250 fits; 13 x 250 might not
+    assert "2 first, to measure a worker's memory before going to 13" in decision.reason
+    tiny = decide([start], Budget(cpus=2, max_workers=64, memory_bytes=100 * MiB), Policy())
+    assert tiny.settings == cfg(1)  # even one might not fit: measure one
+
+
+def test_without_a_known_footprint_the_prior_caps_the_first_jump():
+    decision = decide([trial(0, 100, 10, fetch_cpu_ms=1)], MEM, Policy())
+    assert decision.settings == cfg(9) and "memory budget (64 MiB per worker)" in decision.reason  # 600 // 64
+
+
+def test_measured_growth_sets_the_cap_at_the_end_of_the_epoch():
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    # 2 workers measured at 30 MiB growing 0.5 MiB per batch; an epoch of 600 batches: w * 30 + 300 <= 600
+    two = with_mem(trial(2, 45, 10), 30, growth_mib=0.5, main_mib=250, epoch=600)
+    decision = decide([start, two], MEM, Policy())
+    assert decision.action == "try" and decision.settings.num_workers == 10, decision.reason
+    assert "capped at 10 by the memory budget" in decision.reason
+    est = estimate([start, two], MEM, Policy())
+    assert est.mem_measured and est.mem_cap_workers == 10
+    flat = with_mem(trial(2, 45, 10), 30, main_mib=250, epoch=600)  # the same size, not growing
+    assert estimate([start, flat], MEM, Policy()).mem_cap_workers == 20
+
+
+def test_over_budget_goes_down_at_once_and_the_config_is_never_tried_again():
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    # 6 workers hold 900 MiB together (copy-on-read), 3 steps into the window: not enough steps, still acted on
+    over = with_mem(trial(6, 20, 10, steps=3), 150, growth_mib=1.0, main_mib=250, epoch=600)
+    state = TuningState()
+    state.current = cfg(0)
+    state.apply(state.decide(start.stats, MEM, None), start.stats, MEM, 10)
+    state.current = cfg(6)
+    decision = state.decide(over.stats, MEM, None)
+    assert decision is not None and decision.action == "try" and decision.failed
+    # per worker: 150 + 1.0 * 600 / w, capped at 250  ->  w * 250 <= 600 at w = 2 (3 * 250 = 750 is over)
+    assert decision.settings.num_workers == 2
+    assert "went over the memory budget (900 MiB of 600 MiB)" in decision.reason
+    state.apply(decision, over.stats, MEM, 13)
+    assert cfg(6) in state.failed_configs and state.memory_limit == 2
+    assert "150 MiB per worker, growing 1.00 MiB per batch it loads" in diagnose(state.trials, cfg(2), MEM)
+    assert "copy-on-read" in diagnose(state.trials, cfg(2), MEM)
+    assert "numpy arrays" in diagnose(state.trials, cfg(2), MEM)
+
+
+def test_over_budget_after_settling_settles_lower():
+    state = TuningState()
+    state.current = cfg(0)
+    start = with_mem(trial(0, 0.1, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    state.apply(state.decide(start.stats, MEM, None), start.stats, MEM, 10)  # stall under the threshold
+    assert state.done
+    state.current = cfg(4)  # say the user's loader had 4 workers, and they grew
+    grown = with_mem(trial(4, 1, 10), 170, growth_mib=1.0, main_mib=250, epoch=600)
+    decision = state.decide(grown.stats, MEM, None)
+    assert decision is not None and decision.action == "settle" and decision.settings.num_workers < 4
+    assert state.decide(with_mem(trial(4, 1, 10), 100, main_mib=250).stats, MEM, None) is None  # within budget
+
+
+# --- the watch -------------------------------------------------------------------------------------------
+def test_the_watch_counts_batches_per_worker_set_and_windows_apart():
+    pids = [11, 12]
+    sizes = {11: 10 * MiB, 12: 12 * MiB}
+    t = [0.0]
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [sizes[p] for p in ps], clock=lambda: t[0])
+    for _ in range(4):
+        watch.batch_taken()
+    first = watch.sample()
+    assert first == MemorySample(0.0, 0, 2, 22 * MiB, 12 * MiB)  # the set started when first seen
+    for _ in range(6):
+        watch.batch_taken()
+    sizes[11] = 14 * MiB
+    assert watch.sample().batches == 6 and watch.latest.total_bytes == 26 * MiB
+    pids[:] = [21]  # a new worker set (a switch): its batches count from here
+    sizes[21] = 5 * MiB
+    assert watch.sample().batches == 0
+    mem = watch.take()
+    assert mem.samples == 3 and mem.peak_total_bytes == 26 * MiB and watch.latest is None
+    assert watch.take().samples == 1  # a window without a reading takes one at its end

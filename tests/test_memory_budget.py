@@ -1,0 +1,128 @@
+"""The memory budget held with real workers: copy-on-read growth measured before the jump, and enforced inside
+the epoch when it is overrun. The workers' memory is sampled by the test itself, apart from the tuner's own."""
+
+import collections
+import sys
+import threading
+from typing import ClassVar
+
+import psutil
+import pytest
+from test_in_epoch import EpochIndices, WorkersPerBatch
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.memory import MiB
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+
+from helpers import make_trainer
+
+
+class WorkerWatch:
+    """The sum of the unique memory of this process's descendants (the loader's workers), every 250 ms."""
+
+    def __init__(self, interval_s=0.25):
+        self.interval_s = interval_s
+        self.peak = 0.0
+        self.readings: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        me = psutil.Process()
+        while not self._stop.wait(self.interval_s):
+            total = 0.0
+            for child in me.children(recursive=True):
+                try:
+                    total += child.memory_full_info().uss
+                except psutil.Error:
+                    continue
+            self.readings.append(total)
+            self.peak = max(self.peak, total)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class ManyObjects(SyntheticDataset):
+    """Keeps ``strings`` Python strings and reads a contiguous slice of them per sample: each worker's reference
+    count writes copy the pages it reads (copy-on-read), so its unique memory grows as it loads samples."""
+
+    def __init__(self, length=480, strings=400_000, latency_ms=6.0):
+        super().__init__(length=length, latency_ms=latency_ms)
+        self.strings = [f"sample-{i:012d}" for i in range(strings)]
+        self.per_sample = strings // length
+
+    def __getitem__(self, index):
+        touched = self.strings[index * self.per_sample : (index + 1) * self.per_sample]
+        del touched
+        return super().__getitem__(index)
+
+    def bytes_per_sample(self):
+        """What one sample's slice can make a worker copy: its string objects and list slots, to whole pages."""
+        objects = self.per_sample * (sys.getsizeof(self.strings[0]) + 8)
+        return (objects // 4096 + 2) * 4096
+
+
+def exact_epochs(epochs, length):
+    return all(collections.Counter(e) == collections.Counter(range(length)) for e in epochs)
+
+
+@pytest.mark.timeout(240)
+def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp_path):
+    dataset = ManyObjects()
+    budget = 90 * MiB
+    tuner = DataLoaderTuner(max_memory=budget)
+    record = EpochIndices()
+    with WorkerWatch() as watch:
+        trainer = make_trainer(tmp_path, [tuner, record], max_epochs=3, logger=False)
+        trainer.fit(SimulatedModel(step_ms=10), datamodule=SyntheticDataModule(dataset, batch_size=16))
+    assert exact_epochs(record.epochs, len(dataset))
+    worked = [t for t in tuner.trials if t.settings.num_workers > 0]
+    assert worked, [t.decision for t in tuner.trials]
+    # the first jump measured a small config before going far: the process holds more than the budget
+    assert worked[0].settings.num_workers <= 2, tuner.trials[0].decision
+    assert "to measure a worker's memory" in tuner.trials[0].decision
+    growth = max(t.stats.worker_mem_growth_bytes for t in worked)
+    assert growth > 0, "the workers' copy-on-read growth was measured"
+    # The bound: the budget, plus what one window (20 batches of 16 samples) can copy before it is acted on,
+    # plus one 250 ms sampling period of it. Old workers stop before new ones start (tested in test_in_epoch).
+    window_growth = 20 * 16 * dataset.bytes_per_sample()
+    assert watch.peak <= budget + 1.25 * window_growth, (watch.peak / MiB, [t.decision for t in tuner.trials])
+    assert max(t.settings.num_workers for t in tuner.trials) >= 2  # and the budget was used, not avoided
+
+
+class Leaky(SyntheticDataset):
+    """Each worker keeps ``leak_kib`` of every sample it loads: fine at first, over the budget mid-epoch."""
+
+    kept: ClassVar[list[bytes]] = []
+
+    def __init__(self, length=480, leak_kib=512):
+        super().__init__(length=length)
+        self.leak = leak_kib * 1024
+
+    def __getitem__(self, index):
+        Leaky.kept.append(bytes(self.leak))  # per process: each worker its own list
+        return super().__getitem__(index)
+
+
+@pytest.mark.timeout(240)
+def test_memory_growing_past_the_budget_mid_epoch_switches_down_inside_the_epoch_exactly(tmp_path):
+    dataset = Leaky()
+    tuner = DataLoaderTuner(max_memory=160 * MiB)
+    record, workers = EpochIndices(), WorkersPerBatch()
+    dm = SyntheticDataModule(dataset, batch_size=8, num_workers=4)  # the user's own 4 (persistent) workers
+    trainer = make_trainer(tmp_path, [tuner, record, workers], max_epochs=2, logger=False)
+    trainer.fit(SimulatedModel(step_ms=20), datamodule=dm)
+    assert exact_epochs(record.epochs, len(dataset))
+    over = [t for t in tuner.trials if t.failed and "memory budget" in t.failed]
+    assert over, [t.decision for t in tuner.trials]
+    assert over[0].settings.num_workers == 4
+    in_epoch = [e for e in range(2) if len({w for ep, w in workers.seen if ep == e}) > 1]
+    assert in_epoch, workers.seen  # 4 workers, then fewer, inside one epoch: left mid-epoch, not at its end
+    assert tuner.best_settings["num_workers"] < 4
+    assert "Memory:" in tuner.diagnosis and "numpy arrays" in tuner.diagnosis
