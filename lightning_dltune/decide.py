@@ -221,7 +221,8 @@ def enforce_memory(
 ) -> Decision | None:
     """When the last window's workers (with their batches in flight) held more than the memory budget: go down,
     at once, to the most workers the measured size and growth predict to fit (``"try"`` while ``tuning``, else
-    ``"settle"``); the config left is recorded as failed. ``None`` when within the budget."""
+    ``"settle"``); the config left is recorded as failed. ``None`` when within the budget. Checked by
+    :meth:`~lightning_dltune.state.TuningState.decide` before :func:`decide`, in every switching phase."""
     if not trials or budget.memory_bytes is None:
         return None
     last = trials[-1]
@@ -292,9 +293,6 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
-    down = enforce_memory(trials, budget, policy)
-    if down is not None:  # at once, however short the window
-        return down
     if last.failed is None and last.stats.steps < policy.min_steps:
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:

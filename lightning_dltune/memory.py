@@ -45,10 +45,6 @@ class WorkerMemory:
     peak_total_bytes: float = 0.0
     samples: int = 0
 
-    @property
-    def measured(self) -> bool:
-        return self.samples > 0 and self.peak_worker_bytes > 0
-
 
 def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
     """Least-squares fit of the mean worker's USS against the batches each worker produced, over the samples of

@@ -147,7 +147,6 @@ class Probe:
         footprint: Callable[[], float] = own_footprint,
         memory_interval_s: float = 0.25,
     ) -> None:
-        self._worker_pids = worker_pids
         self._clock, self._cpu_clock = clock, cpu_clock
         self._cpu_seconds = cpu_seconds
         self.memory = MemoryWatch(worker_pids, memory_interval_s, memory_of, clock)
