@@ -1,17 +1,26 @@
 """``dltune bench TARGET``: loader-only throughput over a sweep of ``num_workers``/``prefetch_factor``.
 
-Done properly where the usual snippet is not: worker start-up and warm-up are excluded from the steady state
-but reported, every config is repeated and given as median and spread, workers' memory is measured, and the
-sweep stays within the CPUs this process may use (or ``--max-workers``).
+Done properly where the usual snippet is not:
+
+* warm-up lasts until the pipeline is full (at least the batches in flight, ``num_workers x prefetch_factor``),
+  and the steady window is several times longer than that, so the rate is production, not a prefetched
+  buffer draining; the window's ends are taken where the consumer had to wait (the queue was empty at both
+  ends), and the table says how many batches each rate was measured over;
+* a rate above what the workers could physically produce (``num_workers`` over the production time of a batch
+  measured at 1 worker, and at most the CPUs' share for a CPU-bound loader) is flagged, not printed;
+* worker start-up is excluded from the steady state but reported, every config is repeated and given as median
+  and spread, workers' memory is measured, and the sweep stays within the CPUs this process may use.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +29,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dltune.budget import cpu_budget, default_max_workers
 from lightning_dltune.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune.measure import process_cpu_seconds
 from lightning_dltune.probe import batch_size as batch_size_of
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
+
+WINDOW_PER_FLIGHT = 4  # the steady window holds at least this many times the batches in flight
+LIMIT_TOLERANCE = 0.10  # a rate this far above the physical limit is flagged (the 1-worker rate is measured too)
 
 
 class BenchError(Exception):
@@ -34,32 +47,82 @@ class BenchRow:
     num_workers: int
     prefetch_factor: int | None
     startup_s: float
-    batches_per_s: float
+    batches_per_s: float | None  # None: no trustworthy rate (see ``note``)
     spread: float  # (max - min) / median over repeats
-    samples_per_s: float
+    samples_per_s: float | None
     worker_uss_mb: float
+    warmup_batches: int = 0  # batches consumed after the first one before the steady window
+    window_batches: int = 0  # batches the rate was measured over (median over repeats)
+    worker_cpu_per_batch_s: float = 0.0  # the workers' CPU seconds per batch in the steady window
+    limit_batches_per_s: float | None = None  # the most the workers could physically produce
     predicted_stall: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One config's repeats: start-up, steady rates, the counts they used, worker memory and CPU."""
+
+    startup_s: float
+    rates: list[float]
+    warmup: int
+    window: int
+    uss_mb: float
+    batch_samples: int
+    cpu_per_batch_s: float
+    short: str = ""  # why there is no steady window (the loader is too short)
+
+
+def in_flight(settings: LoaderSettings) -> int:
+    """Batches the workers hold ahead of the consumer once the pipeline is full."""
+    return settings.num_workers * (settings.prefetch_factor or 2) if settings.num_workers else 0
+
+
+def window_sizes(settings: LoaderSettings, batches: int, warmup: int) -> tuple[int, int]:
+    """Warm-up and steady-window batch counts: ``warmup`` and ``batches`` are minimums."""
+    flight = in_flight(settings)
+    return max(warmup, flight), max(batches, WINDOW_PER_FLIGHT * flight)
+
+
+def steady_rate(times: Sequence[float], waits: Sequence[float]) -> tuple[float, int]:
+    """Batches per second over a steady window, and the number of batches it was measured over.
+
+    ``times[0]`` is when the window began (the last warm-up batch arrived), ``times[i]`` when its ``i``-th batch
+    arrived, and ``waits[i - 1]`` how long ``next()`` blocked for it. The rate is taken between the first and
+    the last read that blocked (for at least half the mean interval): the queue was empty at both, so whatever
+    the workers had buffered before is not counted as production. Without such reads (the workers outpace the
+    consumer: the queue stays full), or with too few to span a quarter of the window, the whole window counts.
+    """
+    n = len(times) - 1
+    if n < 1 or len(waits) != n:
+        raise ValueError(f"need one wait per batch of a non-empty window, got {n} batches and {len(waits)} waits.")
+    mean = (times[-1] - times[0]) / n
+    blocked = [i for i in range(1, n + 1) if waits[i - 1] >= 0.5 * mean]
+    a, b = (blocked[0], blocked[-1]) if len(blocked) >= 2 and blocked[-1] - blocked[0] >= n // 4 else (0, n)
+    span = times[b] - times[a]
+    return ((b - a) / span if span > 0 else math.inf), b - a
+
+
+def physical_limit(workers: int, one_worker_rate: float, cpus: float, cpu_per_batch_s: float) -> float:
+    """The most batches/s ``workers`` can produce: each no faster than one worker alone, and together no more
+    than the CPUs can compute when a batch costs CPU time."""
+    limit = workers * one_worker_rate
+    if cpu_per_batch_s > 0:
+        limit = min(limit, max(cpus, 1.0) / cpu_per_batch_s)
+    return limit
 
 
 def load_target(spec: str) -> Any:
-    """``path/to/file.py:name`` or ``package.module:name`` -> the object."""
+    """``path/to/file.py:name`` or ``package.module:name`` -> the object.
+
+    A file is imported under its own name with its folder on ``sys.path``, so worker processes started with
+    ``spawn`` or ``forkserver`` (macOS, and Linux from Python 3.14) can import it again to unpickle the dataset.
+    """
     if ":" not in spec:
         raise BenchError(f"TARGET must be `path/to/file.py:name` or `module:name`, got {spec!r}.")
     where, _, name = spec.rpartition(":")
     try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise BenchError(f"no such file: {where}")
-            mod_name = f"_dltune_target_{path.stem}"
-            spec_ = importlib.util.spec_from_file_location(mod_name, path)
-            assert spec_ is not None and spec_.loader is not None
-            module = importlib.util.module_from_spec(spec_)
-            sys.modules[mod_name] = module  # worker processes unpickle objects from it
-            sys.path.insert(0, str(path.parent.resolve()))
-            spec_.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        module = _import_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
     except BenchError:
         raise
     except Exception as ex:
@@ -70,34 +133,68 @@ def load_target(spec: str) -> Any:
         raise BenchError(f"{where} has no attribute {name!r}") from None
 
 
-def base_loader(target: Any, batch_size: int) -> DataLoader:
-    """A DataLoader from a Dataset (class or instance), a DataLoader factory, or a LightningDataModule."""
-    import lightning.pytorch as pl
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise BenchError(f"no such file: {path}")
+    path = path.resolve()
+    name = path.stem
+    if not name.isidentifier():
+        raise BenchError(f"{path.name} is not an importable module name; rename it (letters, digits, _).")
+    known = sys.modules.get(name)
+    if known is not None:
+        if Path(getattr(known, "__file__", "") or "").resolve() == path:
+            return known
+        raise BenchError(
+            f"`{name}` already names another module ({getattr(known, '__file__', 'built in')}), so worker processes "
+            f"could not import {path.name}; rename the file, or give TARGET as an importable `module:name`."
+        )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # spawned workers get this process's sys.path
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
+
+def base_loader(target: Any, batch_size: int) -> DataLoader:
+    """A DataLoader from a Dataset, a LightningDataModule, a DataLoader, a class of one of these, or any callable
+    returning one of them (a factory), a Dataset wrapped with ``batch_size`` and ``shuffle=True``."""
     obj = target
-    if isinstance(obj, type):
+    for _ in range(2):  # a class or factory, then what it returned
+        if isinstance(obj, (DataLoader, Dataset)) or _is_datamodule(obj) or not callable(obj):
+            break
+        label = f"{getattr(obj, '__name__', type(obj).__name__)}()"
         try:
             obj = obj()
         except Exception as ex:
-            raise BenchError(f"instantiating {target.__name__}() failed: {type(ex).__name__}: {ex}") from ex
+            raise BenchError(f"calling {label} failed: {type(ex).__name__}: {ex}") from ex
     try:
-        if isinstance(obj, pl.LightningDataModule):
+        if _is_datamodule(obj):
             obj.prepare_data()
             obj.setup("fit")
-            loader = obj.train_dataloader()
-        elif isinstance(obj, Dataset):
-            loader = DataLoader(obj, batch_size=batch_size, shuffle=True)
-        elif callable(obj):
-            loader = obj()
-        else:
-            loader = obj
+            obj = obj.train_dataloader()
+        elif isinstance(obj, Dataset) and not isinstance(obj, DataLoader):
+            obj = DataLoader(obj, batch_size=batch_size, shuffle=True)
     except Exception as ex:
         raise BenchError(f"building the loader failed: {type(ex).__name__}: {ex}") from ex
-    if not isinstance(loader, DataLoader):
+    if not isinstance(obj, DataLoader):
         raise BenchError(
-            f"TARGET must give a Dataset, a DataLoader factory or a LightningDataModule; got {type(loader).__name__}."
+            "TARGET must be or give a Dataset, a DataLoader or a LightningDataModule (a class, an instance, or a "
+            f"function returning one); got {type(obj).__name__}."
         )
-    return loader
+    return obj
+
+
+def _is_datamodule(obj: Any) -> bool:
+    import lightning.pytorch as pl
+
+    return isinstance(obj, pl.LightningDataModule)
 
 
 def _worker_uss_mb() -> float:
@@ -112,39 +209,65 @@ def _worker_uss_mb() -> float:
     return statistics.mean(sizes) / 2**20 if sizes else 0.0
 
 
-def measure(loader: DataLoader, batches: int, warmup: int, repeats: int) -> tuple[float, list[float], float, int]:
-    """Start-up seconds, steady batches/s per repeat, worker USS (MB), and samples per batch."""
+def _workers_cpu_s(settings: LoaderSettings) -> float:
+    main, children = process_cpu_seconds()
+    return children if settings.num_workers else main
+
+
+def measure(loader: DataLoader, settings: LoaderSettings, batches: int, warmup: int, repeats: int) -> Measurement:
+    """Measure ``repeats`` passes of ``loader``: each a first batch (start-up), a warm-up that fills the pipeline
+    and a steady window (:func:`window_sizes`); the rate of each from :func:`steady_rate`."""
+    want_warmup, want_window = window_sizes(settings, batches, warmup)
     rates: list[float] = []
-    startup = 0.0
-    uss = 0.0
-    batch_samples = 1
+    windows: list[int] = []
+    startup = uss = cpu_per_batch = 0.0
+    batch_samples, short = 1, ""
     for r in range(repeats):
         t0 = time.perf_counter()
-        t1 = t0
-        n = 0
+        times: list[float] = []
+        waits: list[float] = []
         try:
             it = iter(loader)
             first = next(it)
             if r == 0:
                 startup = time.perf_counter() - t0
                 batch_samples = batch_size_of(first)
-            for _ in range(warmup):
+            for _ in range(want_warmup):
                 next(it)
-            t1 = time.perf_counter()
-            for _ in range(batches):
+            cpu0 = _workers_cpu_s(settings)
+            times.append(time.perf_counter())
+            for _ in range(want_window):
+                t = time.perf_counter()
                 next(it)
-                n += 1
+                times.append(time.perf_counter())
+                waits.append(times[-1] - t)
         except StopIteration:
             pass
         except Exception as ex:
             raise BenchError(f"the dataset raised while loading: {type(ex).__name__}: {ex}") from ex
-        if n:
-            rates.append(n / (time.perf_counter() - t1))
+        got = len(waits)
+        if got < max(3, 2 * in_flight(settings)):
+            short = (
+                f"too short: {1 + want_warmup + got} batches, a steady window needs at least "
+                f"{1 + want_warmup + max(3, 2 * in_flight(settings))}"
+            )
+            break
         if r == 0:
+            cpu_per_batch = (_workers_cpu_s(settings) - cpu0) / got
             uss = _worker_uss_mb()
-    if not rates:
-        raise BenchError(f"the loader has too few batches: need more than {warmup + 1} for a measurement.")
-    return startup, rates, uss, batch_samples
+        rate, used = steady_rate(times, waits)
+        rates.append(rate)
+        windows.append(used)
+    return Measurement(
+        startup,
+        rates,
+        want_warmup,
+        int(statistics.median(windows)) if windows else 0,
+        uss,
+        batch_samples,
+        cpu_per_batch,
+        short,
+    )
 
 
 def sweep_configs(max_workers: int, prefetch: list[int]) -> list[LoaderSettings]:
@@ -155,6 +278,42 @@ def sweep_configs(max_workers: int, prefetch: list[int]) -> list[LoaderSettings]
     for w in counts[1:]:
         out += [LoaderSettings.normalized(w, p) for p in prefetch]
     return out
+
+
+def _row(settings: LoaderSettings, m: Measurement) -> BenchRow:
+    med = statistics.median(m.rates) if m.rates else None
+    return BenchRow(
+        num_workers=settings.num_workers,
+        prefetch_factor=settings.prefetch_factor,
+        startup_s=m.startup_s,
+        batches_per_s=med,
+        spread=(max(m.rates) - min(m.rates)) / med if med else 0.0,
+        samples_per_s=None if med is None else med * m.batch_samples,
+        worker_uss_mb=m.uss_mb,
+        warmup_batches=m.warmup,
+        window_batches=m.window,
+        worker_cpu_per_batch_s=m.cpu_per_batch_s,
+        note=m.short,
+    )
+
+
+def check_limits(rows: list[BenchRow], cpus: float) -> None:
+    """Flag (and withdraw) every rate above what its workers could physically produce, from the 1-worker rows."""
+    ones = [r for r in rows if r.num_workers == 1 and r.batches_per_s]
+    if not ones:
+        return
+    one_rate = max(r.batches_per_s or 0.0 for r in ones)
+    cpu = statistics.median(r.worker_cpu_per_batch_s for r in ones)
+    for r in rows:
+        if r.num_workers < 1 or r.batches_per_s is None:
+            continue
+        r.limit_batches_per_s = physical_limit(r.num_workers, one_rate, cpus, cpu)
+        if r.batches_per_s > r.limit_batches_per_s * (1 + LIMIT_TOLERANCE):
+            r.note = (
+                f"measured {r.batches_per_s:.1f} batches/s is above the physical limit "
+                f"{r.limit_batches_per_s:.1f}: not a steady rate, withdrawn"
+            )
+            r.batches_per_s = r.samples_per_s = None
 
 
 def run_bench(
@@ -173,40 +332,34 @@ def run_bench(
     budget = cpu_budget()
     cap = default_max_workers(budget.cpus) if max_workers is None else max_workers
     rows: list[BenchRow] = []
-    print(f"Sweeping num_workers 0..{cap} ({budget.cpus:g} CPUs, {budget.bound_by}); {repeats} repeats each.")
+    print(
+        f"Sweeping num_workers 0..{cap} ({budget.cpus:g} CPUs, {budget.bound_by}); {repeats} repeats each; warm-up "
+        f"at least the batches in flight, a steady window of at least {WINDOW_PER_FLIGHT}x that."
+        + (
+            " More workers than CPUs on purpose: a loader waiting on storage wants them (PyTorch's warning about "
+            "it is left out here)."
+            if cap > budget.cpus
+            else ""
+        )
+    )
     for settings in sweep_configs(cap, prefetch or [2, 4]):
         try:
-            loader = rebuild_dataloader(base, settings.to_loader_kwargs())
+            loader = rebuild_dataloader(base, settings.to_loader_kwargs(), quiet=True)
         except NotRebuildableError as ex:
             raise BenchError(f"cannot set num_workers on this DataLoader: {ex}") from ex
         try:
-            startup, rates, uss, per_batch = measure(loader, batches, warmup, repeats)
+            row = _row(settings, measure(loader, settings, batches, warmup, repeats))
         finally:
             shutdown_workers(loader)
-        med = statistics.median(rates)
-        row = BenchRow(
-            settings.num_workers,
-            settings.prefetch_factor,
-            startup,
-            med,
-            (max(rates) - min(rates)) / med if med else 0.0,
-            med * per_batch,
-            uss,
-        )
-        if step_ms is not None:
-            load_s = 1.0 / med
-            row.predicted_stall = max(0.0, load_s - step_ms / 1e3) / max(load_s, step_ms / 1e3)
         rows.append(row)
-        print(f"  {settings.describe():24s} {med:8.1f} batches/s  (start-up {startup:.2f} s)", flush=True)
-    best = max(r.batches_per_s for r in rows)
-    if step_ms is not None:
-        ok = [r for r in rows if (r.predicted_stall or 0) <= 0.05]
-        pool = ok or [max(rows, key=lambda r: r.batches_per_s)]
-        why = f"the cheapest that keeps a {step_ms:g} ms step fed (predicted stall <= 5%)"
-    else:
-        pool = [r for r in rows if r.batches_per_s >= 0.95 * best]
-        why = "the cheapest within 5% of the best throughput"
-    rec = min(pool, key=lambda r: (r.num_workers, r.prefetch_factor or 0))
+        rate = f"{row.batches_per_s:8.1f} batches/s" if row.batches_per_s else f"{'-':>8} ({row.note})"
+        print(f"  {settings.describe():24s} {rate}  (start-up {row.startup_s:.2f} s)", flush=True)
+    check_limits(rows, budget.cpus)
+    for row in rows:
+        if step_ms is not None and row.batches_per_s:
+            load_s = 1.0 / row.batches_per_s
+            row.predicted_stall = max(0.0, load_s - step_ms / 1e3) / max(load_s, step_ms / 1e3)
+    rec, why = recommend(rows, step_ms)
     result = {
         "target": target,
         "batch_size": batch_size,
@@ -222,49 +375,80 @@ def run_bench(
     print()
     print(format_table(rows, step_ms))
     print(f"\nRecommended: num_workers={rec.num_workers}, prefetch_factor={rec.prefetch_factor} ({why}).")
-    plot = _plot(rows, out / "bench.png")
-    print(f"Wrote {out / 'bench.json'}" + (f" and {plot}" if plot else ""))
+    plot, no_plot = _plot(rows, out / "bench.png", step_ms)
+    print(f"Wrote {out / 'bench.json'}" + (f" and {plot}" if plot else f"; no plot: {no_plot}"))
     return result
 
 
+def recommend(rows: list[BenchRow], step_ms: float | None) -> tuple[BenchRow, str]:
+    measured = [r for r in rows if r.batches_per_s]
+    if not measured:
+        raise BenchError("no config gave a steady rate: the loader is too short; pass a longer dataset.")
+    best = max(r.batches_per_s or 0.0 for r in measured)
+    if step_ms is not None:
+        ok = [r for r in measured if (r.predicted_stall or 0) <= 0.05]
+        pool = ok or [max(measured, key=lambda r: r.batches_per_s or 0.0)]
+        why = f"the cheapest that keeps a {step_ms:g} ms step fed (predicted stall <= 5%)"
+    else:
+        pool = [r for r in measured if (r.batches_per_s or 0.0) >= 0.95 * best]
+        why = "the cheapest within 5% of the best throughput"
+    return min(pool, key=lambda r: (r.num_workers, r.prefetch_factor or 0)), why
+
+
 def format_table(rows: list[BenchRow], step_ms: float | None) -> str:
-    head = f"{'workers':>7} {'prefetch':>8} {'batches/s':>10} {'spread':>7} {'samples/s':>10} {'start-up s':>10}"
-    head += f" {'MB/worker':>9}" + (f" {'stall @ ' + format(step_ms, 'g') + ' ms':>14}" if step_ms is not None else "")
+    head = (
+        f"{'workers':>7} {'prefetch':>8} {'batches/s':>10} {'spread':>7} {'samples/s':>10} {'warm-up':>7} "
+        f"{'window':>6} {'start-up s':>10} {'MB/worker':>9}"
+    )
+    head += f" {'stall @ ' + format(step_ms, 'g') + ' ms':>14}" if step_ms is not None else ""
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = (
-            f"{r.num_workers:>7} {r.prefetch_factor or '-':>8} {r.batches_per_s:>10.1f} {r.spread:>7.0%} "
-            f"{r.samples_per_s:>10.1f} {r.startup_s:>10.2f} {r.worker_uss_mb:>9.1f}"
+        rate = (
+            f"{r.batches_per_s:>10.1f} {r.spread:>7.0%} {r.samples_per_s:>10.1f}"
+            if r.batches_per_s
+            else (f"{'-':>10} {'-':>7} {'-':>10}")
         )
-        if r.predicted_stall is not None:
-            line += f" {r.predicted_stall:>14.0%}"
-        lines.append(line)
+        line = (
+            f"{r.num_workers:>7} {r.prefetch_factor or '-':>8} {rate} {r.warmup_batches:>7} {r.window_batches:>6} "
+            f"{r.startup_s:>10.2f} {r.worker_uss_mb:>9.1f}"
+        )
+        if step_ms is not None:
+            line += f" {r.predicted_stall:>14.0%}" if r.predicted_stall is not None else f" {'-':>14}"
+        lines.append(line + (f"  {r.note}" if r.note else ""))
+    lines.append("warm-up: batches consumed after the first before timing; window: batches the rate was measured over.")
     return "\n".join(lines)
 
 
-def _plot(rows: list[BenchRow], path: Path) -> Path | None:
+def _plot(rows: list[BenchRow], path: Path, step_ms: float | None) -> tuple[Path | None, str]:
+    """The plot, or ``None`` and why there is none."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
+        return None, "matplotlib is not installed (pip install matplotlib, or the package's [view] extra)"
+    measured = [r for r in rows if r.samples_per_s]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for pf in sorted({r.prefetch_factor or 0 for r in rows}):
-        pts = [r for r in rows if (r.prefetch_factor or 0) == pf or r.num_workers == 0]
+    for pf in sorted({r.prefetch_factor or 0 for r in measured}):
+        pts = [r for r in measured if (r.prefetch_factor or 0) == pf or r.num_workers == 0]
         ax.plot(
             [r.num_workers for r in pts],
-            [r.samples_per_s for r in pts],
+            [r.samples_per_s or 0.0 for r in pts],
             marker="o",
             label=f"prefetch_factor={pf}" if pf else "0 workers",
         )
-    ax.set_xscale("symlog", base=2)
+    if step_ms is not None and measured:
+        per_batch = (measured[0].samples_per_s or 0.0) / (measured[0].batches_per_s or 1.0)
+        ax.axhline(per_batch * 1e3 / step_ms, color="k", ls="--", lw=1, label=f"needed by a {step_ms:g} ms step")
+    counts = sorted({r.num_workers for r in rows})
+    ax.set_xticks(counts)
     ax.set_xlabel("num_workers")
     ax.set_ylabel("samples/s (median of repeats)")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return path
+    return path, ""

@@ -5,12 +5,38 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (``dltune bench: error: ...``), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(text: str, kind: type[int] | type[float], low: float, what: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not value >= low:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return _number(text, int, 1, "an int >= 1")
+
+
+def _count(text: str) -> int:
+    return _number(text, int, 0, "an int >= 0")
+
+
+def _positive_ms(text: str) -> float:
+    value = _number(text, float, 0, "a positive number of milliseconds")
+    if value == 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, got {text}")
     return value
 
 
@@ -25,7 +51,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dltune", description="Measure and tune PyTorch DataLoaders.")
+    parser = _Parser(prog="dltune", description="Measure and tune PyTorch DataLoaders.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small model from num_workers=0 with DataLoaderTuner attached")
@@ -35,15 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="loader-only throughput over a num_workers/prefetch_factor sweep")
     bench.add_argument(
-        "target", help="a Dataset, DataLoader factory or LightningDataModule: file.py:name or module:name"
+        "target",
+        help="a Dataset, DataLoader or LightningDataModule, or a class or function giving one: file.py:name or "
+        "module:name (a file is imported by its name, so spawned workers can import it too)",
     )
     bench.add_argument("--batch-size", type=_positive_int, default=32, help="batch size when TARGET is a Dataset")
-    bench.add_argument("--batches", type=_positive_int, default=30, help="steady-state batches per repeat")
-    bench.add_argument("--warmup", type=int, default=3, help="batches after the first one excluded as warm-up")
+    bench.add_argument(
+        "--batches",
+        type=_positive_int,
+        default=30,
+        help="least steady-state batches per repeat (at least 4x the batches in flight are used)",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=_count,
+        default=3,
+        help="least batches after the first one excluded as warm-up (at least the batches in flight are used)",
+    )
     bench.add_argument("--repeats", type=_positive_int, default=3, help="repeats per config (median and spread)")
-    bench.add_argument("--max-workers", type=int, default=None, help="largest num_workers (default: 8 per CPU)")
+    bench.add_argument("--max-workers", type=_count, default=None, help="largest num_workers (default: 8 per CPU)")
     bench.add_argument("--prefetch", type=_int_list, default=[2, 4], help="prefetch factors to try, e.g. 2,4")
-    bench.add_argument("--step-ms", type=float, default=None, help="model step time: flag configs that would stall")
+    bench.add_argument(
+        "--step-ms", type=_positive_ms, default=None, help="model step time: flag configs that would stall"
+    )
     bench.add_argument("--out", type=Path, default=Path("dltune_runs/bench"), help="where the JSON and plot go")
     cache = sub.add_parser("cache", help="show or reset the tuning cache of settled settings")
     cache.add_argument("action", choices=["list", "clear"], help="list the entries, or delete the cache file")

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DataLoader
 
 class Slow(Dataset):
     def __len__(self):
-        return 256
+        return 1024
     def __getitem__(self, i):
         time.sleep(0.002)
         return torch.zeros(8), i
@@ -37,7 +37,16 @@ not_a_loader = 42
 def target(tmp_path):
     path = tmp_path / "mydata.py"
     path.write_text(TARGET)
-    return path
+    yield path
+    forget_module(path)
+
+
+def forget_module(path):
+    """``dltune bench`` imports a file under its own name (spawned workers import it again): each test's file
+    is a new one of the same name, which the bench would rightly refuse as a second module of that name."""
+    sys.modules.pop(path.stem, None)
+    if str(path.parent.resolve()) in sys.path:
+        sys.path.remove(str(path.parent.resolve()))
 
 
 def test_bench_sweeps_recommends_and_writes_json_and_plot(target, tmp_path, capsys):
@@ -77,7 +86,7 @@ def test_bench_sweeps_recommends_and_writes_json_and_plot(target, tmp_path, caps
         ("nocolon", "TARGET must be `path/to/file.py:name` or `module:name`"),
         ("{dir}/missing.py:x", "no such file"),
         ("{target}:nothing", "has no attribute 'nothing'"),
-        ("{target}:not_a_loader", "TARGET must give a Dataset, a DataLoader factory or a LightningDataModule"),
+        ("{target}:not_a_loader", "TARGET must be or give a Dataset, a DataLoader or a LightningDataModule"),
         ("{target}:Broken", "the dataset raised while loading: KeyError: 'no such image: 17.jpg'"),
         ("no_such_module_xyz:thing", "importing no_such_module_xyz failed: ModuleNotFoundError"),
     ],
