@@ -9,10 +9,13 @@ way a GPU kernel does, and says so in its name.
 from __future__ import annotations
 
 import random
+import sys
+import threading
 import time
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -74,6 +77,59 @@ class SyntheticDataset(Dataset):
         g = torch.Generator().manual_seed(index)
         x = torch.randn(self.features, generator=g)
         return x, torch.tensor(index % self.num_classes), index
+
+
+class PythonObjectsDataset(SyntheticDataset):
+    """Keeps ``strings`` Python strings and reads a contiguous slice of them per sample: each worker's reference
+    count writes copy the pages it reads (copy-on-read), so its unique memory grows as it loads samples. The
+    guide's classic out-of-memory story, in small: every worker ends up with its own copy of the dataset."""
+
+    def __init__(self, length: int = 480, strings: int = 400_000, latency_ms: float = 6.0) -> None:
+        super().__init__(length=length, latency_ms=latency_ms)
+        self.strings = [f"sample-{i:012d}" for i in range(strings)]
+        self.per_sample = strings // length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        touched = self.strings[index * self.per_sample : (index + 1) * self.per_sample]
+        del touched
+        return super().__getitem__(index)
+
+    def bytes_per_sample(self) -> int:
+        """What one sample's slice can make a worker copy: its string objects and list slots, to whole pages."""
+        objects = self.per_sample * (sys.getsizeof(self.strings[0]) + 8)
+        return (objects // 4096 + 2) * 4096
+
+
+class WorkerMemoryWatch:
+    """The sum of the unique memory (USS) of this process's descendants (a loader's workers), read every
+    ``interval_s`` in a thread, apart from the tuner's own reading: ``peak`` and ``readings`` in bytes."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self.peak = 0.0
+        self.readings: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(self.interval_s):
+            total = 0.0
+            for child in me.children(recursive=True):
+                try:
+                    total += child.memory_full_info().uss
+                except psutil.Error:
+                    continue
+            self.readings.append(total)
+            self.peak = max(self.peak, total)
+
+    def __enter__(self) -> WorkerMemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def in_memory_dataset(length: int = 2048, features: int = 32) -> TensorDataset:

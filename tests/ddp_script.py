@@ -5,6 +5,7 @@ python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 kil
 python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node", each node launched by the test
+python tests/ddp_script.py OUT memory       # 4 workers per rank whose memory grows past the node's budget
 """
 
 import faulthandler
@@ -64,7 +65,9 @@ def main() -> None:
     mode = sys.argv[3] if len(sys.argv) > 3 else "auto"
     # report, cache and summary at their defaults (the cache file is the test's own, through $DLTUNE_CACHE);
     # short windows only so that 12-step epochs hold several of them
-    tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4)
+    # the memory run's budget is the node's, split between its 2 ranks as DataLoaderTuner does: 72 MiB each
+    memory = {"max_memory": 144 * 2**20} if kind == "memory" else {}
+    tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4, **memory)
     record = Record()
     extra = [KillOnRank1()] if kind == "kill" else []
     limits = {}
@@ -78,7 +81,7 @@ def main() -> None:
         strategy="ddp",
         devices=2,
         num_nodes=2 if kind == "node" else 1,
-        max_epochs=3,
+        max_epochs=4 if kind == "memory" else 3,
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
         logger=False,
@@ -86,8 +89,14 @@ def main() -> None:
         enable_model_summary=False,
         **{"enable_checkpointing": False, **limits},
     )
-    workers = 2 if kind == "kill" else 0  # a worker to kill
-    dm = SyntheticDataModule(SyntheticDataset(length=384, latency_ms=5.0), batch_size=16, num_workers=workers)
+    workers = {"kill": 2, "memory": 4}.get(kind, 0)  # a worker to kill; the user's own 4 workers
+    if kind == "memory":
+        from test_memory_budget import Leaky  # each worker keeps 512 KiB of every sample it loads
+
+        dataset: SyntheticDataset = Leaky(length=384)
+    else:
+        dataset = SyntheticDataset(length=384, latency_ms=5.0)
+    dm = SyntheticDataModule(dataset, batch_size=16, num_workers=workers)
     ckpt_path = sys.argv[4] if kind == "tail" else None
     trainer.fit(SimulatedModel(step_ms=5), datamodule=dm, ckpt_path=ckpt_path)
     result = {
@@ -109,6 +118,7 @@ def main() -> None:
         "settled_step": tuner.settled_step,
         "failed": [t.failed for t in tuner.trials],
         "report_file": None if tuner.report_file is None else str(tuner.report_file),
+        "memory_budget": None if tuner.budget is None else tuner.budget.memory_bytes,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -118,3 +118,20 @@ def test_a_mid_epoch_checkpoint_resumes_every_ranks_own_shard_exactly(tmp_path):
         epoch1 = before["by_epoch"]["1"] + after["by_epoch"]["1"]
         assert epoch1 == expected_order(rank, 1, seed), f"rank {rank}: epoch 1 across the restart"
         assert after["by_epoch"]["2"] == expected_order(rank, 2, seed)
+
+
+def test_memory_over_the_nodes_budget_switches_every_rank_down_together_exactly(tmp_path):
+    log = tmp_path / "ddp.log"
+    proc = run_logged([sys.executable, str(SCRIPT), str(tmp_path), "memory", "in_epoch"], log, env=env())
+    assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
+    a, b = read(tmp_path)
+    assert a["memory_budget"] == b["memory_budget"] == 72 * 2**20  # the node's 144 MiB split between 2 ranks
+    over = [i for i, why in enumerate(a["failed"]) if why and "memory budget" in why]
+    assert over, a["decisions"]
+    assert a["trials"][over[0]]["num_workers"] == 4  # the user's 4 workers went over, on the rank that held most
+    # every rank recorded it at the same decision point and switched down together
+    assert a["trials"] == b["trials"] and a["failed"] == b["failed"] and a["best_settings"] == b["best_settings"]
+    assert a["best_settings"]["num_workers"] < 4
+    for r in (a, b):
+        for epoch, seen in enumerate(r["epochs"]):
+            assert seen == expected_order(r["rank"], epoch, r["seed"]), f"rank {r['rank']} epoch {epoch}"

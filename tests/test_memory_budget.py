@@ -2,70 +2,22 @@
 the epoch when it is overrun. The workers' memory is sampled by the test itself, apart from the tuner's own."""
 
 import collections
-import sys
-import threading
 from typing import ClassVar
 
-import psutil
 import pytest
 from test_in_epoch import EpochIndices, WorkersPerBatch
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.memory import MiB
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.synthetic import (
+    PythonObjectsDataset,
+    SimulatedModel,
+    SyntheticDataModule,
+    SyntheticDataset,
+    WorkerMemoryWatch,
+)
 
 from helpers import make_trainer
-
-
-class WorkerWatch:
-    """The sum of the unique memory of this process's descendants (the loader's workers), every 250 ms."""
-
-    def __init__(self, interval_s=0.25):
-        self.interval_s = interval_s
-        self.peak = 0.0
-        self.readings: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        me = psutil.Process()
-        while not self._stop.wait(self.interval_s):
-            total = 0.0
-            for child in me.children(recursive=True):
-                try:
-                    total += child.memory_full_info().uss
-                except psutil.Error:
-                    continue
-            self.readings.append(total)
-            self.peak = max(self.peak, total)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
-class ManyObjects(SyntheticDataset):
-    """Keeps ``strings`` Python strings and reads a contiguous slice of them per sample: each worker's reference
-    count writes copy the pages it reads (copy-on-read), so its unique memory grows as it loads samples."""
-
-    def __init__(self, length=480, strings=400_000, latency_ms=6.0):
-        super().__init__(length=length, latency_ms=latency_ms)
-        self.strings = [f"sample-{i:012d}" for i in range(strings)]
-        self.per_sample = strings // length
-
-    def __getitem__(self, index):
-        touched = self.strings[index * self.per_sample : (index + 1) * self.per_sample]
-        del touched
-        return super().__getitem__(index)
-
-    def bytes_per_sample(self):
-        """What one sample's slice can make a worker copy: its string objects and list slots, to whole pages."""
-        objects = self.per_sample * (sys.getsizeof(self.strings[0]) + 8)
-        return (objects // 4096 + 2) * 4096
 
 
 def exact_epochs(epochs, length):
@@ -74,11 +26,11 @@ def exact_epochs(epochs, length):
 
 @pytest.mark.timeout(240)
 def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp_path):
-    dataset = ManyObjects()
+    dataset = PythonObjectsDataset()
     budget = 90 * MiB
     tuner = DataLoaderTuner(max_memory=budget)
     record = EpochIndices()
-    with WorkerWatch() as watch:
+    with WorkerMemoryWatch() as watch:
         trainer = make_trainer(tmp_path, [tuner, record], max_epochs=3, logger=False)
         trainer.fit(SimulatedModel(step_ms=10), datamodule=SyntheticDataModule(dataset, batch_size=16))
     assert exact_epochs(record.epochs, len(dataset))
