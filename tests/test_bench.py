@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from test_cli import forget_module
 
 from lightning_dltune.bench import (
     BenchRow,
@@ -15,6 +14,8 @@ from lightning_dltune.bench import (
 )
 from lightning_dltune.cli import main
 from lightning_dltune.settings import LoaderSettings
+
+from test_cli import forget_module
 
 SLEEP_MS, BATCH = 2.0, 8  # a batch costs a worker exactly 16 ms of sleep (and a little more in practice)
 
