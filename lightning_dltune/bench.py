@@ -420,16 +420,16 @@ def format_table(rows: list[BenchRow], step_ms: float | None) -> str:
 
 
 def _plot(rows: list[BenchRow], path: Path, step_ms: float | None) -> tuple[Path | None, str]:
-    """The plot, or ``None`` and why there is none."""
-    try:
-        import matplotlib
+    """The plot, or ``None`` and why there is none. Drawn on a bare ``Figure``: a notebook's backend is left alone."""
+    from lightning_dltune import _imports
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None, "matplotlib is not installed (pip install matplotlib, or the package's [view] extra)"
+    if not _imports._MATPLOTLIB_AVAILABLE:
+        return None, _imports.MATPLOTLIB_MISSING
+    from matplotlib.figure import Figure
+
     measured = [r for r in rows if r.samples_per_s]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for pf in sorted({r.prefetch_factor or 0 for r in measured}):
         pts = [r for r in measured if (r.prefetch_factor or 0) == pf or r.num_workers == 0]
         ax.plot(
@@ -441,8 +441,7 @@ def _plot(rows: list[BenchRow], path: Path, step_ms: float | None) -> tuple[Path
     if step_ms is not None and measured:
         per_batch = (measured[0].samples_per_s or 0.0) / (measured[0].batches_per_s or 1.0)
         ax.axhline(per_batch * 1e3 / step_ms, color="k", ls="--", lw=1, label=f"needed by a {step_ms:g} ms step")
-    counts = sorted({r.num_workers for r in rows})
-    ax.set_xticks(counts)
+    ax.set_xticks(sorted({r.num_workers for r in rows}))
     ax.set_xlabel("num_workers")
     ax.set_ylabel("samples/s (median of repeats)")
     ax.set_ylim(bottom=0)
@@ -450,5 +449,4 @@ def _plot(rows: list[BenchRow], path: Path, step_ms: float | None) -> tuple[Path
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path, ""

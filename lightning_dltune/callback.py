@@ -3,7 +3,8 @@
 * :class:`~lightning_dltune.probe.Probe` measures (the step timer, the GPU timeline, CPU and worker memory);
 * :class:`~lightning_dltune.state.TuningState` decides and remembers (phase, trials, settings, result);
 * :class:`~lightning_dltune.agree.Agreement` makes every decision the same on every rank;
-* :class:`~lightning_dltune.loader.LoaderSwitcher` builds, switches and recovers the train loader.
+* :class:`~lightning_dltune.loader.LoaderSwitcher` builds, switches and recovers the train loader;
+* :class:`~lightning_dltune.view.RunView` shows the run: the loggers, TensorBoard's dashboard and text, the PNG.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from lightning_dltune.decide import Budget, Policy
 from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.probe import Probe
-from lightning_dltune.report import build_report, report_path, summary_table, window_metrics, write_json_atomic
+from lightning_dltune.report import build_report, report_path, window_metrics, write_json_atomic
 from lightning_dltune.settings import LoaderSettings, check_tuner_arguments
 from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
+from lightning_dltune.view import RunView
 
 
 class DataLoaderTuner(Callback):
@@ -81,6 +83,9 @@ class DataLoaderTuner(Callback):
         report_path: where to write the JSON report; ``None`` writes ``dltune_report.json`` in the logger's
             directory (or ``default_root_dir``), ``False`` writes none.
         verbose: print the summary table and diagnosis when tuning settles.
+        plot: after ``fit``, draw the run (stall, samples/s and ``num_workers`` over steps, config changes marked,
+            the diagnosis as caption) as a PNG next to the report (``dltune_report.png``), when matplotlib is
+            installed and a report is written. ``dltune plot REPORT.json`` draws the same picture later.
 
     Raises:
         ValueError: if an argument is outside its allowed values.
@@ -93,7 +98,8 @@ class DataLoaderTuner(Callback):
             then).
         budget: this process's own budget; ``agreed_budget`` the tightest over all nodes (distributed runs).
         cache_hit: whether this run started from cached settings.
-        report: the report written at the end of ``fit`` (a dict).
+        report: the report written at the end of ``fit`` (a dict), with the per-window ``"series"``.
+        plot_file: the PNG drawn at the end of ``fit`` (``None`` when none was).
 
     Logged Metrics (every ``log_every_n_steps``, to every logger, on rank zero):
         - ``dltune/stall_frac``: data wait / wall time of the window (fraction)
@@ -109,6 +115,10 @@ class DataLoaderTuner(Callback):
         - ``dltune/gpu_idle_ms``, ``dltune/h2d_ms``: mean idle gap and host-to-device copy per step as the GPU
           saw them (CUDA only, ms)
         - ``dltune/stall_frac_spread``: max minus min stall fraction across ranks (distributed runs only)
+
+    With a ``TensorBoardLogger``, these are also gathered on one custom-scalars dashboard (category ``dltune``),
+    and the summary (headline, diagnosis, table) goes to the Text tab (tag ``dltune/summary``) when tuning ends
+    and when training ends.
 
     Distributed: every rank measures; each decision is taken on the slowest rank's statistics and the
     smallest budget of any node (gathered with the strategy's ``all_gather``), and every rank switches at the
@@ -149,9 +159,10 @@ class DataLoaderTuner(Callback):
         cache: str | Path | bool | None = None,
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
+        plot: bool = True,
     ) -> None:
         check_tuner_arguments(
-            stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps
+            stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps, plot
         )
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
@@ -159,7 +170,8 @@ class DataLoaderTuner(Callback):
         self.cache = None if cache is True else cache
         self._cache = RunCache(self.cache)
         self.report_path = None if report_path is True else report_path
-        self.verbose = verbose
+        self.verbose, self.plot = verbose, plot
+        self.view = RunView(plot)
         self.state = TuningState(self.policy, observe_only)
         self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
         self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
@@ -179,6 +191,7 @@ class DataLoaderTuner(Callback):
     cache_hit = property(lambda self: self.state.cache_hit, doc="Whether this run started from the cache.")
     agreed_budget = property(lambda self: self.agreement.budget, doc="The tightest node's budget (DDP).")
     stall_spread = property(lambda self: self.agreement.stall_spread, doc="Max - min stall across ranks.")
+    plot_file = property(lambda self: self.view.plot_file, doc="The PNG of the run drawn after ``fit``.")
 
     @property
     def state_key(self) -> str:
@@ -190,6 +203,7 @@ class DataLoaderTuner(Callback):
         if stage != "fit":
             return
         self.state.begin_fit()
+        self.view.start()
         reset_warnings()  # a second fit (a notebook, a sweep) is told again what the first was told
         self.budget = tuner_budget(
             max(1, int(trainer.num_devices)), self.max_workers, self.max_prefetch, self.max_memory
@@ -297,9 +311,9 @@ class DataLoaderTuner(Callback):
     def _log(self, trainer: "pl.Trainer") -> None:
         stats, gpu_stats, nvml = self.probe.take_log()
         spread = self.agreement.spread(stats.stall_frac)
-        if trainer.loggers and stats.steps:
+        if stats.steps:  # the series is kept with or without a logger
             current = self.state.current or LoaderSettings()
-            _log_to_loggers(trainer, window_metrics(stats, gpu_stats, current, spread, nvml))
+            self.view.window(trainer, window_metrics(stats, gpu_stats, current, spread, nvml))
 
     # --- deciding -----------------------------------------------------------------------------------------------
     def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
@@ -315,7 +329,7 @@ class DataLoaderTuner(Callback):
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self.switcher.switch(change.settings, now, is_last_epoch(trainer), everywhere=bool(failures))
         if decision is not None and self.state.done:
-            self._tuning_ended()
+            self._tuning_ended(trainer)
 
     def _measured(self) -> WindowStats:
         stats = self.probe.close()
@@ -330,18 +344,13 @@ class DataLoaderTuner(Callback):
         stats = WindowStats() if distributed else self._measured()
         fallback = self.state.fail(stats, f"{kind}: {why}", self.budget, self.switcher.trainer.global_step, distributed)
         if fallback is not None and (self.state.best_settings, self.state.phase) != before:
-            self._tuning_ended()  # a new result: summarized, and the cache no longer holds the failed config
+            self._tuning_ended(self.switcher.trainer)  # a new result, summarized; the cache forgets the failed one
         return fallback
 
-    def _tuning_ended(self) -> None:
+    def _tuning_ended(self, trainer: "pl.Trainer") -> None:
         self.plan.in_epoch = False
         self._remember()
-        if self.verbose:
-            result = self.state.result
-            rank_zero_info(
-                f"DataLoaderTuner {self.state.headline()}\n{summary_table(self.trials, result)}\n"
-                f"Diagnosis: {self.diagnosis}"
-            )
+        self.view.summarize(trainer, self.state, say=self.verbose)
 
     # --- checkpoints and the report -----------------------------------------------------------------------------
     @override
@@ -355,6 +364,12 @@ class DataLoaderTuner(Callback):
         self.switcher.load_position(state_dict)
 
     @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        assert self.budget is not None  # the final summary, while the loggers are still open (fit's end is later)
+        self.state.finish(self.budget)
+        self.view.summarize(trainer, self.state, say=False)
+
+    @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         assert self.budget is not None
         self.state.finish(self.budget)
@@ -362,8 +377,10 @@ class DataLoaderTuner(Callback):
         self.report = build_report(
             **self.state.report_content(),
             budget=self.budget,
+            series=self.view.series,
             extra={
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "stall_threshold": self.policy.stall_threshold,
                 "settled_step": self.settled_step,
                 "cache_hit": self.cache_hit,
                 "world_size": trainer.world_size,
@@ -376,9 +393,4 @@ class DataLoaderTuner(Callback):
         path = report_path(self.report_path, log_dir, trainer.default_root_dir)
         if path is not None and trainer.is_global_zero:
             self.report_file = write_json_atomic(path, self.report)
-
-
-@rank_zero_only
-def _log_to_loggers(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+            self.view.draw(self.report, self.report_file)

@@ -1,4 +1,5 @@
-"""The ``dltune`` command: ``dltune demo``, ``dltune bench TARGET`` and ``dltune cache list|clear``."""
+"""The ``dltune`` command: ``dltune demo``, ``dltune bench TARGET``, ``dltune plot REPORT`` and
+``dltune cache list|clear``."""
 
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-ms", type=_positive_ms, default=None, help="model step time: flag configs that would stall"
     )
     bench.add_argument("--out", type=Path, default=Path("dltune_runs/bench"), help="where the JSON and plot go")
+    plot = sub.add_parser("plot", help="draw a run from its dltune_report.json (stall, samples/s, workers over steps)")
+    plot.add_argument("report", type=Path, help="the dltune_report.json written after fit")
+    plot.add_argument("--out", type=Path, default=None, help="the PNG to write (default: next to REPORT, .png)")
     cache = sub.add_parser("cache", help="show or reset the tuning cache of settled settings")
     cache.add_argument("action", choices=["list", "clear"], help="list the entries, or delete the cache file")
     cache.add_argument("--path", type=Path, default=None, help="the cache file (default: $DLTUNE_CACHE or ~/.cache)")
@@ -111,6 +115,24 @@ def _cache(action: str, path: Path | None) -> int:
     return 0
 
 
+def _plot(report_file: Path, out: Path | None) -> int:
+    from lightning_dltune.plot import PlotError, draw_report, plot_path
+    from lightning_dltune.report import ReportError, read_report
+
+    out = out or plot_path(report_file)
+    try:
+        path = draw_report(read_report(report_file), out)
+    except (ReportError, PlotError) as ex:
+        error = str(ex)
+    except OSError as ex:  # the PNG cannot be written
+        error = f"cannot write {ex.filename or out}: {ex.strerror or ex}. Pass another --out."
+    else:
+        print(f"Plot: {path}")
+        return 0
+    print(f"dltune plot: error: {error}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -120,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "cache":
         return _cache(args.action, args.path)
+    if args.command == "plot":
+        return _plot(args.report, args.out)
     from lightning_dltune.bench import BenchError, run_bench
 
     try:

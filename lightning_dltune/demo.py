@@ -1,5 +1,8 @@
 """``dltune demo``: a small model trained by Lightning on a synthetic dataset with a realistic loading cost,
-started at ``num_workers=0`` with ``DataLoaderTuner()`` attached. No data, no GPU needed."""
+started at ``num_workers=0`` with ``DataLoaderTuner()`` attached. No data, no GPU needed.
+
+It logs to TensorBoard, or without tensorboard installed to a CSV file (and says how to get TensorBoard), and
+the tuner draws the run as a PNG next to its report when matplotlib is installed."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 
+from lightning_dltune import _imports
 from lightning_dltune.callback import DataLoaderTuner
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
@@ -32,9 +37,16 @@ class DemoModel(SimulatedModel):
         return nn.functional.cross_entropy(self.layer(self.body(x)), y)
 
 
-def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[str, Any]:
-    from lightning.pytorch.loggers import TensorBoardLogger
+def demo_logger(out: Path) -> Logger:
+    """TensorBoard when it is installed, else Lightning's CSV logger, with one line on how to get TensorBoard
+    (Lightning's ``TensorBoardLogger`` would stop the demo before training with a ``ModuleNotFoundError``)."""
+    if _imports._TENSORBOARD_AVAILABLE:
+        return TensorBoardLogger(out, name="tb")
+    print(f"dltune demo: logging to CSV instead of TensorBoard; {_imports.TENSORBOARD_MISSING}.")
+    return CSVLogger(out, name="csv")
 
+
+def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[str, Any]:
     out = Path(out)
     cuda = torch.cuda.is_available()
     samples = 384 if quick else 960
@@ -49,7 +61,7 @@ def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[
     dm = SyntheticDataModule(dataset, batch_size=16, num_workers=0)
     tuner = DataLoaderTuner(max_trials=5, cache=False)  # the demo always shows tuning from 0
     epoch_times = _EpochTimes()
-    logger = TensorBoardLogger(out, name="tb")
+    logger = demo_logger(out)
     trainer = pl.Trainer(
         max_epochs=epochs,
         accelerator="auto",
@@ -65,8 +77,8 @@ def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[
 
     # the starting config's steady throughput is its trial's (epoch 0 may switch configs part-way through)
     first, last = tuner.trials[0].stats.samples_per_s, epoch_times.samples_per_s[-1]
-    log_dir = Path(logger.log_dir)
-    plot = plot_run(log_dir, out / "dltune_demo.png")
+    log_dir = Path(trainer.log_dir or out)
+    plot = tuner.plot_file  # drawn by the tuner next to its report
     print("\n=== dltune demo result ===")
     print(f"Chosen settings ({tuner.phase}): {tuner.best_settings}")
     print(f"Diagnosis: {tuner.diagnosis}")
@@ -75,8 +87,12 @@ def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[
         f"{last / first:.1f}x the starting config."
     )
     print(f"Report: {log_dir / 'dltune_report.json'}")
-    print(f"Plot: {plot}" if plot else "Plot: skipped (matplotlib is not installed: pip install matplotlib)")
-    print(f"TensorBoard logs: {log_dir}\n  view them with: tensorboard --logdir {out / 'tb'}")
+    if plot or not _imports._MATPLOTLIB_AVAILABLE:
+        print(f"Plot: {plot}" if plot else f"Plot: skipped ({_imports.MATPLOTLIB_MISSING})")
+    if isinstance(logger, TensorBoardLogger):
+        print(f"TensorBoard logs: {log_dir}\n  view them with: tensorboard --logdir {out / 'tb'}")
+    else:
+        print(f"Metrics (CSV): {log_dir / 'metrics.csv'}")
     return {"tuner": tuner, "speedup": last / first, "plot": plot, "log_dir": log_dir}
 
 
@@ -95,51 +111,3 @@ class _EpochTimes(pl.Callback):
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.samples_per_s.append(self._samples / (time.perf_counter() - self._t0))
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """The ``dltune/*`` scalars of a TensorBoard run, as ``{tag: [(step, value), ...]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {
-        tag: [(e.step, e.value) for e in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-        if tag.startswith("dltune/")
-    }
-
-
-def plot_run(log_dir: Path, path: Path) -> Path | None:
-    """Stall fraction, samples/s and worker count over steps, config changes marked, read back from the logs."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    scalars = read_scalars(log_dir)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    for ax, tag, label in zip(
-        axes,
-        ("dltune/stall_frac", "dltune/samples_per_s", "dltune/num_workers"),
-        ("stall fraction", "samples/s", "num_workers"),
-        strict=True,
-    ):
-        points = scalars.get(tag, [])
-        ax.plot([s for s, _ in points], [v for _, v in points], marker=".", drawstyle="steps-post")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    workers = scalars.get("dltune/num_workers", [])
-    changes = [s for (s, v), (_, prev) in zip(workers[1:], workers[:-1], strict=True) if v != prev]
-    for ax in axes:
-        for step in changes:
-            ax.axvline(step, color="tab:red", linestyle="--", alpha=0.6)
-    axes[0].set_title("DataLoaderTuner: dashed lines mark loader rebuilds")
-    axes[-1].set_xlabel("global step")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

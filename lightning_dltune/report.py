@@ -1,11 +1,12 @@
-"""The summary table people read at the end of tuning and the JSON report they can reuse."""
+"""The summary table people read at the end of tuning, the JSON report they can reuse, and the per-window series
+the report keeps for the picture of the run (:mod:`lightning_dltune.plot`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
 REPORT_NAME = "dltune_report.json"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: "series" (one point per logging window) and "stall_threshold"
 
 PREFIX = "dltune/"
 STALL_FRAC = PREFIX + "stall_frac"
@@ -60,6 +61,55 @@ def window_metrics(
         metrics[GPU_UTIL_PCT] = nvml["gpu_util_pct"]
         metrics[GPU_MEM_PCT] = nvml["gpu_mem_pct"]
     return metrics
+
+
+SERIES_KEYS = ("step", "stall_frac", "samples_per_s", "num_workers", "prefetch_factor")
+GPU_SERIES_KEY = "gpu_stall_frac"  # only in a report whose run measured it (CUDA)
+
+
+class WindowSeries:
+    """The run's curves, one point per logging window: the step, the stall, the throughput and the loader's config.
+
+    Fed with each window's :func:`window_metrics` (whether or not the run has a logger), kept in the report as
+    ``"series"`` and drawn by :func:`lightning_dltune.plot.draw_report`. At most ``max_points`` points: beyond
+    that every other point is dropped and windows are taken half as often, so a long run's report stays small.
+    """
+
+    def __init__(self, max_points: int = 2000) -> None:
+        self.max_points = max_points
+        self.reset()
+
+    def reset(self) -> None:
+        self.points: list[tuple[int, float, float, int, int, float | None]] = []
+        self._every, self._seen = 1, 0
+
+    def record(self, step: int, metrics: Mapping[str, float]) -> None:
+        """One logging window's ``dltune/*`` metrics, logged at ``step``."""
+        self._seen += 1
+        if (self._seen - 1) % self._every:
+            return
+        gpu = metrics.get(GPU_STALL_FRAC)
+        self.points.append(
+            (
+                int(step),
+                round(metrics[STALL_FRAC], 5),
+                round(metrics[SAMPLES_PER_S], 2),
+                int(metrics[NUM_WORKERS]),
+                int(metrics[PREFETCH_FACTOR]),
+                None if gpu is None else round(gpu, 5),
+            )
+        )
+        if len(self.points) > self.max_points:
+            self.points, self._every = self.points[::2], 2 * self._every
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """Column lists under :data:`SERIES_KEYS` (``prefetch_factor`` 0: loading in the main process), and
+        ``gpu_stall_frac`` (``None`` where a window had no reading) when the GPU's stall was measured."""
+        columns = [list(c) for c in zip(*self.points, strict=True)] or [[] for _ in range(6)]
+        series = dict(zip(SERIES_KEYS, columns[:5], strict=True))
+        if any(v is not None for v in columns[5]):
+            series[GPU_SERIES_KEY] = columns[5]
+        return series
 
 
 def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> str:
@@ -129,6 +179,7 @@ def build_report(
     phase: str,
     diagnosis: str,
     budget: Budget | None,
+    series: WindowSeries | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
@@ -146,10 +197,35 @@ def build_report(
             "bound_by": budget.bound_by,
         },
         "trials": [trial_to_dict(t) for t in trials],
+        "series": (series or WindowSeries()).to_dict(),
     }
     if extra:
         report.update(extra)
     return report
+
+
+class ReportError(ValueError):
+    """A file that cannot be read as a report; the message is one line naming the problem and the fix."""
+
+
+def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The report in ``path``, in the current form whatever version wrote it (a version 1 report gets an empty
+    ``"series"``). Raises :class:`ReportError` for a missing file or one that is not a dltune report."""
+    path = Path(path)
+    fix = f"Pass the {REPORT_NAME} that `fit` wrote (in the logger's directory, or the tuner's `report_path`)."
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReportError(f"no such file: {path}. {fix}") from None
+    except OSError as ex:
+        raise ReportError(f"cannot read {path}: {ex.strerror or ex}. {fix}") from None
+    except ValueError:  # not JSON, or not text
+        raise ReportError(f"{path} is not a dltune report (not JSON). {fix}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("version"), int) or "trials" not in data:
+        raise ReportError(f"{path} is not a dltune report (no version and trials). {fix}")
+    series = data.get("series")
+    data["series"] = series if isinstance(series, dict) else {key: [] for key in SERIES_KEYS}
+    return data
 
 
 def report_path(option: str | os.PathLike[str] | bool | None, log_dir: str | None, root_dir: str) -> Path | None:

@@ -146,6 +146,12 @@ def check_float(value: Any, name: str, allowed: str, ok: bool | Callable[[], boo
     return float(value)
 
 
+def check_bool(value: Any, name: str, fix: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}. {fix}")
+    return value
+
+
 def check_tuner_arguments(
     stall_threshold: Any,
     max_trials: Any,
@@ -155,6 +161,7 @@ def check_tuner_arguments(
     min_steps: Any,
     mode: Any,
     window_steps: Any,
+    plot: Any = True,
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
     from lightning_dltune.state import MODES
@@ -173,3 +180,4 @@ def check_tuner_arguments(
     check_int(min_steps, "min_steps", 1)
     check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
     check_int(window_steps, "window_steps", 2, "The default is 20.")
+    check_bool(plot, "plot", "Use False to skip the PNG of the run.")

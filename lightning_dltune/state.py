@@ -257,11 +257,18 @@ class TuningState:
         return None if self.best_settings is None else LoaderSettings.from_dict(self.best_settings)
 
     def headline(self) -> str:
-        """What the tuner did, for the summary printed when tuning ends."""
+        """What the tuner did, for the summary when tuning ends (and when training ends, in any phase)."""
         if self.phase is Phase.HELD and self.held is not None:
             current = self.current.describe() if self.current else "?"
             return f"stays on {current} for the rest of this run: {self.held.reason}"
-        return f"settled on {self.result.describe() if self.result else '?'}"
+        result = self.result.describe() if self.result else "?"
+        if self.phase is Phase.TUNING:
+            return f"had not settled when training ended; best so far {result}"
+        if self.phase is Phase.OBSERVING:
+            return f"observed {result} without switching (observe_only)"
+        if self.phase is Phase.DISABLED:
+            return f"measured {result} without switching (this loader cannot be retuned)"
+        return f"settled on {result}"
 
     def cacheable(self) -> LoaderSettings | None:
         """The result to teach the cache: a settled config, or a held one that beat the start."""

@@ -160,3 +160,12 @@ def test_bad_bench_arguments_are_one_line(args, message, known, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"dltune bench: error: {message} (see dltune bench --help)"]
     assert "_positive" not in err and "_count" not in err
+
+
+def test_without_matplotlib_the_bench_says_why_it_drew_no_plot(known, tmp_path, capsys, monkeypatch):
+    from lightning_dltune import _imports
+
+    monkeypatch.setattr(_imports, "_MATPLOTLIB_AVAILABLE", False)  # a machine without the [view] extra
+    _bench(f"{known}:make", tmp_path, "--max-workers", "0", "--batches", "3")
+    out = capsys.readouterr().out
+    assert "no plot: matplotlib (>=3.7) is not installed" in out and not (tmp_path / "out" / "bench.png").exists()

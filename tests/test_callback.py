@@ -174,6 +174,7 @@ def test_validate_stage_is_left_alone(tmp_path):
         ({"max_workers": -2}, ValueError, r"`max_workers` must be a non-negative int, got -2"),
         ({"max_prefetch": 0}, ValueError, r"`max_prefetch` must be an int >= 1"),
         ({"min_steps": 0}, ValueError, r"`min_steps` must be an int >= 1"),
+        ({"plot": "yes"}, TypeError, r"`plot` must be True or False, got 'yes'. Use False to skip the PNG"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):
