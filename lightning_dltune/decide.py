@@ -56,6 +56,8 @@ class Policy:
     stall_threshold: float = 0.05
     max_trials: int = 6
     min_steps: int = 8
+    early_steps: int = 3  # steady steps enough to act on a stall that is plainly the loader's
+    early_stall: float = 0.5  # ... when even its lower confidence bound is at least this
     headroom: float = 1.25
     min_gain: float = 0.05
     noise_floor: float = 0.03
@@ -257,7 +259,8 @@ def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
 
 
 def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
-    """The cheapest usable trial whose time per sample is within measured noise of the fastest one."""
+    """The cheapest usable trial whose time per sample is within measured noise of the fastest one; the starting
+    config unless that one is faster than it beyond noise (by ``min_gain`` at least)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
@@ -268,7 +271,25 @@ def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
         tol = min(max(policy.noise_floor, 2.0 * math.hypot(t.rel_sem, fastest.rel_sem)), policy.min_gain)
         return t.sec_per_sample <= fastest.sec_per_sample * (1.0 + tol)
 
-    return min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.sec_per_sample))
+    best = min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.sec_per_sample))
+    start = trials[0]
+    if best is start or not start.usable:
+        return best
+    # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
+    a, b = start.sec_per_sample, best.sec_per_sample
+    noise = 2.0 * math.hypot(a * start.rel_sem, b * best.rel_sem)
+    return best if a - b > max(policy.min_gain * a, noise) else start
+
+
+def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
+    """Whether the window already shows, beyond its noise, that training waits for the loader most of the time:
+    after ``policy.early_steps`` steady steps, the stall's lower confidence bound (and the GPU's stall, where it
+    was measured) is at least ``policy.early_stall``. Then no more steps can change the decision to add
+    workers, and the window is judged before ``min_steps``; close calls still wait for ``min_steps``."""
+    if stats.steps < policy.early_steps:
+        return False
+    gpu = stats.gpu_stall_frac
+    return stats.stall_lower_bound() >= policy.early_stall and (gpu is None or gpu >= policy.early_stall)
 
 
 def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
@@ -293,7 +314,8 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
-    if last.failed is None and last.stats.steps < policy.min_steps:
+    early = plainly_input_bound(last.stats, policy)
+    if last.failed is None and last.stats.steps < policy.min_steps and not early:
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:
         start = trials[0].settings
@@ -575,7 +597,19 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
             "cache decoded data or give the job more CPUs."
         )
     more = [t for t in usable if t.settings.num_workers > settled.num_workers]
-    if more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more):
+    no_help = more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more)
+    if no_help and settled.num_workers == 0 and fs.fetch_cpu_s >= 0.5 * fs.wait_s:
+        slower = min(more, key=lambda t: t.sec_per_sample)
+        return (
+            f"input-bound by assembling batches sample by sample: {fs.effective_stall_frac:.0%} of the time goes to "
+            f"building each batch in the training process ({fs.mean_wait_s * 1e3:.2f} ms of CPU per batch), and "
+            f"workers only add inter-process copying ({slower.settings.describe()} was "
+            f"{slower.sec_per_sample / final.sec_per_sample:.1f}x slower). Fetch whole batches at once: give the "
+            "dataset a `__getitems__(indices)` that returns a batch's samples in one call (it keeps the batch "
+            "sampler, and with it in-epoch switching and exact resume); a `BatchSampler` passed as `sampler` with "
+            "`batch_size=None` works too but loses them."
+        )
+    if no_help:
         return (
             f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
             f"({speedup:.1f}x the starting throughput), and more workers did not help: the host is saturated "

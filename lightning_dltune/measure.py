@@ -47,6 +47,7 @@ class WindowStats:
     wait_p50_s: float = 0.0
     wait_p90_s: float = 0.0
     wall_sem_s: float = 0.0
+    wait_sem_s: float = 0.0  # standard error of the mean per-step wait
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
@@ -94,6 +95,14 @@ class WindowStats:
     def mean_gpu_busy_s(self) -> float:
         """What the GPU spends per step when it is fed (copy and step), 0.0 without a GPU timeline."""
         return self.gpu.mean_busy_s
+
+    def stall_lower_bound(self, z: float = 2.0) -> float:
+        """A lower confidence bound on :attr:`stall_frac`: the mean wait ``z`` standard errors lower over the mean
+        wall ``z`` standard errors higher (0.0 below two steps)."""
+        if self.steps < 2 or self.wall_s <= 0:
+            return 0.0
+        wait = self.mean_wait_s - z * self.wait_sem_s
+        return max(0.0, wait) / (self.mean_wall_s + z * self.wall_sem_s)
 
     @property
     def samples_per_s(self) -> float:
@@ -171,7 +180,8 @@ class WindowStats:
 
 
 class _Accumulator:
-    """Exact sums, a running variance of the per-step wall (Welford), and the most recent waits for quantiles."""
+    """Exact sums, running variances of the per-step wall and wait (Welford), and the most recent waits for
+    quantiles."""
 
     def __init__(self, tail_size: int) -> None:
         self.tail_size = tail_size
@@ -183,6 +193,7 @@ class _Accumulator:
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
         self.startup = 0.0
         self._mean = self._m2 = 0.0
+        self._wait_mean = self._wait_m2 = 0.0
         self._waits: deque[float] = deque(maxlen=self.tail_size)
 
     def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
@@ -197,11 +208,15 @@ class _Accumulator:
         delta = wall - self._mean
         self._mean += delta / self.steps
         self._m2 += delta * (wall - self._mean)
+        delta = wait - self._wait_mean
+        self._wait_mean += delta / self.steps
+        self._wait_m2 += delta * (wait - self._wait_mean)
         self._waits.append(wait)
 
     def stats(self) -> WindowStats:
         sem = math.sqrt(self._m2 / (self.steps - 1) / self.steps) if self.steps > 1 else 0.0
         waits = sorted(self._waits)
+        wait_sem = math.sqrt(self._wait_m2 / (self.steps - 1) / self.steps) if self.steps > 1 else 0.0
         return WindowStats(
             steps=self.steps,
             samples=self.samples,
@@ -213,6 +228,7 @@ class _Accumulator:
             wait_p50_s=quantile(waits, 0.5),
             wait_p90_s=quantile(waits, 0.9),
             wall_sem_s=sem,
+            wait_sem_s=wait_sem,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
         )

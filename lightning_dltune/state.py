@@ -30,6 +30,7 @@ from lightning_dltune.decide import (
     diagnose,
     enforce_memory,
     pick_best,
+    plainly_input_bound,
     verify_cached,
 )
 from lightning_dltune.measure import WindowStats
@@ -41,7 +42,6 @@ MAX_RECOVERIES = 3
 Mode = Literal["auto", "epoch", "in_epoch"]
 MODES: tuple[str, ...] = ("auto", "epoch", "in_epoch")
 _LONG_EPOCH_S = 60.0
-_OBVIOUS_STALL = 0.5
 
 
 class Phase(str, Enum):
@@ -367,24 +367,33 @@ def batches_left(
 class WindowPlan:
     """When a measurement window closes. ``"epoch"``: at epoch ends (short epochs pooled until ``min_steps``).
     ``"in_epoch"``: every ``window_steps``. ``"auto"``: in-epoch in long epochs (``8 * window_steps`` batches, or
-    a first window predicting over a minute), and at once in any epoch whose stall is plainly the loader's."""
+    a first window predicting over a minute), and at once in any epoch whose stall is plainly the loader's (beyond
+    noise, after ``policy.early_steps``: :func:`~lightning_dltune.decide.plainly_input_bound`)."""
 
     mode: str = "auto"
     window_steps: int = 20
     min_steps: int = 8
     in_epoch: bool = field(default=False)
+    policy: Policy = field(default_factory=Policy)
 
     def epoch_started(self, resumable: bool, tuning: bool, epoch_batches: float) -> None:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
         self.in_epoch = resumable and tuning and (self.mode == "in_epoch" or long_epoch or self.in_epoch)
 
     def close_in_epoch(
-        self, steps: int, stall: float, left: float, distributed: bool, epoch_seconds: Callable[[], float]
+        self,
+        steps: int,
+        stats: WindowStats,
+        left: float,
+        distributed: bool,
+        epoch_seconds: Callable[[], float],
     ) -> bool:
-        """Whether the window closes now, ``left`` batches before the epoch's end. ``epoch_seconds`` predicts
-        the epoch's length (called at most once a window, and on every rank alike)."""
-        obvious = not distributed and stall >= _OBVIOUS_STALL  # a rank-local test would split the ranks
-        if not (steps >= self.window_steps or (steps >= self.min_steps and obvious)):
+        """Whether the window closes now, ``left`` batches before the epoch's end. ``stats``: the window so far;
+        ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on every rank alike)."""
+        # plainly the loader's, beyond noise, after a few steps (see decide.plainly_input_bound); a rank-local
+        # test would split the ranks
+        obvious = not distributed and plainly_input_bound(stats, self.policy)
+        if not (steps >= self.window_steps or obvious):
             return False
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
             self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S

@@ -25,6 +25,7 @@ def trial(
     p50_ms=None,
     p90_ms=None,
     sem_ms=0.0,
+    wait_sem_ms=0.0,
     failed=None,
 ):
     wall = (wait_ms + step_ms) * steps / 1e3
@@ -37,6 +38,7 @@ def trial(
         wait_p50_s=(wait_ms if p50_ms is None else p50_ms) / 1e3,
         wait_p90_s=(wait_ms if p90_ms is None else p90_ms) / 1e3,
         wall_sem_s=sem_ms / 1e3,
+        wait_sem_s=wait_sem_ms / 1e3,
         fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
         worker_cpu_s=worker_cpu_ms * steps / 1e3,
     )
@@ -67,7 +69,18 @@ def trial(
             id="cpu-bound with enough CPUs gets what the model needs",
         ),
         pytest.param([trial(0, 10, 40)], BUDGET, "try", cfg(1), id="small stall needs one worker"),
-        pytest.param([trial(0, 160, 10, steps=3)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param([trial(0, 160, 10, steps=2)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param(
+            [trial(0, 160, 10, steps=3)], BUDGET, "try", cfg(16), id="an overwhelming stall is judged after 3 steps"
+        ),
+        pytest.param(
+            [trial(0, 160, 10, steps=3, wait_sem_ms=60)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... but not when its noise could bring it under half",
+        ),
+        pytest.param([trial(0, 8, 10, steps=3)], BUDGET, "measure", cfg(0), id="a close call waits for min_steps"),
         pytest.param(
             [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0.2, 10)],
             BUDGET,
@@ -145,7 +158,20 @@ def test_estimate_takes_the_tightest_bound_over_the_history():
     ],
 )
 def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
-    assert pick_best([a, b]).settings.num_workers == winner
+    start = trial(0, 160, 10)  # far slower: the run moved away from it beyond doubt
+    assert pick_best([start, a, b]).settings.num_workers == winner
+
+
+@pytest.mark.parametrize(
+    ("start", "other", "winner"),
+    [
+        (trial(0, 1.0, 10), trial(2, 0.6, 10), 0),  # 3.6% faster: not the min_gain it takes to move
+        (trial(0, 1.0, 10, sem_ms=1.0), trial(2, 0.1, 10, sem_ms=1.0), 0),  # 8% faster, within its noise
+        (trial(0, 5.0, 10), trial(2, 0.1, 10), 2),  # 33% faster: a measured win
+    ],
+)
+def test_moving_away_from_the_starting_config_needs_a_win_beyond_noise(start, other, winner):
+    assert pick_best([start, other]).settings.num_workers == winner
 
 
 @pytest.mark.parametrize(
@@ -153,6 +179,12 @@ def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
     [
         ([trial(0, 0.1, 10)], cfg(0), "accelerator-bound"),
         ([trial(0, 160, 10), trial(16, 0.2, 10)], cfg(16), "input-bound at the start"),
+        # in-memory data at 0 workers: the wait is CPU spent assembling the batch, and workers only add copies
+        (
+            [trial(0, 3, 10, fetch_cpu_ms=3), trial(2, 8, 10)],
+            cfg(0),
+            "input-bound by assembling batches sample by sample",
+        ),
         ([trial(0, 40, 10, fetch_cpu_ms=40), trial(2, 12, 10, worker_cpu_ms=40)], cfg(2), "input-bound and CPU-bound"),
     ],
 )

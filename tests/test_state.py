@@ -192,8 +192,10 @@ def test_batches_left(args, left):
         ("in_epoch", 20, 0.1, 100, False, 1.0, True),  # a full window in in-epoch mode
         ("in_epoch", 10, 0.1, 100, False, 1.0, False),  # not full yet
         ("in_epoch", 20, 0.1, 5, False, 1.0, False),  # too close to the epoch's end: the epoch end judges
-        ("auto", 8, 0.9, 100, False, 1.0, True),  # plainly the loader: close after min_steps
-        ("auto", 8, 0.9, 100, True, 1.0, False),  # ... but never on a rank-local test under DDP
+        ("auto", 3, 0.9, 100, False, 1.0, True),  # plainly the loader beyond noise: close after 3 steps
+        ("auto", 2, 0.9, 100, False, 1.0, False),  # ... not after 2
+        ("auto", 8, 0.3, 100, False, 1.0, False),  # a close call waits for the epoch (or a full window)
+        ("auto", 8, 0.9, 100, True, 1.0, False),  # ... and never on a rank-local test under DDP
         ("auto", 20, 0.1, 100, False, 1.0, False),  # a short epoch waits for its end
         ("auto", 20, 0.1, 100, False, 120.0, True),  # a first window predicting a long epoch goes in-epoch
         ("epoch", 20, 0.9, 100, False, 120.0, False),  # epoch mode never closes inside an epoch
@@ -203,7 +205,8 @@ def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
     plan = WindowPlan(mode=mode, window_steps=20, min_steps=8)
     plan.epoch_started(resumable=True, tuning=True, epoch_batches=120)
     asked = []
-    assert plan.close_in_epoch(steps, stall, left, distributed, lambda: asked.append(1) or epoch_s) is closes
+    stats = WindowStats(steps=steps, samples=16 * steps, wall_s=0.01 * steps, wait_s=stall * 0.01 * steps)
+    assert plan.close_in_epoch(steps, stats, left, distributed, lambda: asked.append(1) or epoch_s) is closes
     assert len(asked) <= 1
 
 
