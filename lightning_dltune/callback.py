@@ -173,7 +173,7 @@ class DataLoaderTuner(Callback):
         self.verbose, self.plot = verbose, plot
         self.view = RunView(plot)
         self.state = TuningState(self.policy, observe_only)
-        self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps, policy=self.policy)
+        self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
         self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
         self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, self._lookup_cache, self._fail)
         self.agreement = Agreement()
@@ -274,7 +274,7 @@ class DataLoaderTuner(Callback):
         left = batches - (batch_idx + 1)
         if self.plan.close_in_epoch(
             self._window_steps(),
-            self.probe.peek(),
+            self.state.judge_early(self.probe.peek()),
             left,
             self.agreement.distributed,
             lambda: self.agreement.largest(batches * self.probe.peek().mean_wall_s),

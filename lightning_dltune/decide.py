@@ -292,6 +292,24 @@ def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
     return stats.stall_lower_bound() >= policy.early_stall and (gpu is None or gpu >= policy.early_stall)
 
 
+def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+    """Whether the last config, jumped to from loading in the training process (0 workers), was sized on a step
+    much longer than it has now, and still stalls beyond noise after ``policy.early_steps`` steps.
+
+    Loading in the training process slows its step down (intra-op threads contend with it: a 5 ms step measured
+    9 ms there), so the first jump is sized on an upper bound of the step and undershoots; the window with
+    workers measures the real step, and is judged at once to land the next jump instead of after ``min_steps``.
+    """
+    usable = [t for t in trials if t.usable]
+    if len(usable) < 2 or usable[-1] is not trials[-1]:
+        return False
+    last, before = usable[-1], usable[-2]
+    if before.settings.num_workers != 0 or last.settings.num_workers == 0 or last.stats.steps < policy.early_steps:
+        return False
+    busy_now, busy_then = ((t.stats.step_s + t.stats.other_s) / t.stats.steps for t in (last, before))
+    return busy_now < 0.75 * busy_then and last.stats.stall_lower_bound() > policy.stall_threshold
+
+
 def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
     return stats.wait_p90_s > policy.burst_ratio * stats.wait_p50_s and stats.wait_p90_s > 0.25 * busy
 
@@ -314,7 +332,7 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
-    early = plainly_input_bound(last.stats, policy)
+    early = plainly_input_bound(last.stats, policy) or sized_on_a_longer_step(trials, policy)
     if last.failed is None and last.stats.steps < policy.min_steps and not early:
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:

@@ -31,6 +31,7 @@ from lightning_dltune.decide import (
     enforce_memory,
     pick_best,
     plainly_input_bound,
+    sized_on_a_longer_step,
     verify_cached,
 )
 from lightning_dltune.measure import WindowStats
@@ -149,6 +150,15 @@ class TuningState:
         return cur.num_workers != start.num_workers or cur.persistent_workers != start.persistent_workers
 
     # --- deciding -----------------------------------------------------------------------------------------------
+    def judge_early(self, stats: WindowStats) -> bool:
+        """Whether the window so far (``stats``, on the current config) can be judged before ``min_steps``: its
+        stall is plainly the loader's beyond noise, or the jump to it was sized on a longer step than it has
+        (see :func:`~lightning_dltune.decide.plainly_input_bound` and ``sized_on_a_longer_step``)."""
+        if self.current is None or not self.tuning:
+            return False
+        trials = [*self.trials, Trial(self.current, stats)]
+        return plainly_input_bound(stats, self.policy) or sized_on_a_longer_step(trials, self.policy)
+
     def decide(
         self, stats: WindowStats, budget: Budget, remaining_steps: int | None, failed: Sequence[LoaderSettings] = ()
     ) -> Decision | None:
@@ -367,32 +377,25 @@ def batches_left(
 class WindowPlan:
     """When a measurement window closes. ``"epoch"``: at epoch ends (short epochs pooled until ``min_steps``).
     ``"in_epoch"``: every ``window_steps``. ``"auto"``: in-epoch in long epochs (``8 * window_steps`` batches, or
-    a first window predicting over a minute), and at once in any epoch whose stall is plainly the loader's (beyond
-    noise, after ``policy.early_steps``: :func:`~lightning_dltune.decide.plainly_input_bound`)."""
+    a first window predicting over a minute), and at once in any epoch whose window can be judged early (see
+    :meth:`TuningState.judge_early`)."""
 
     mode: str = "auto"
     window_steps: int = 20
     min_steps: int = 8
     in_epoch: bool = field(default=False)
-    policy: Policy = field(default_factory=Policy)
 
     def epoch_started(self, resumable: bool, tuning: bool, epoch_batches: float) -> None:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
         self.in_epoch = resumable and tuning and (self.mode == "in_epoch" or long_epoch or self.in_epoch)
 
     def close_in_epoch(
-        self,
-        steps: int,
-        stats: WindowStats,
-        left: float,
-        distributed: bool,
-        epoch_seconds: Callable[[], float],
+        self, steps: int, early: bool, left: float, distributed: bool, epoch_seconds: Callable[[], float]
     ) -> bool:
-        """Whether the window closes now, ``left`` batches before the epoch's end. ``stats``: the window so far;
-        ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on every rank alike)."""
-        # plainly the loader's, beyond noise, after a few steps (see decide.plainly_input_bound); a rank-local
-        # test would split the ranks
-        obvious = not distributed and plainly_input_bound(stats, self.policy)
+        """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be
+        judged already (:meth:`TuningState.judge_early`); ``epoch_seconds`` predicts the epoch's length (called
+        at most once a window, and on every rank alike)."""
+        obvious = not distributed and early  # a rank-local test would split the ranks
         if not (steps >= self.window_steps or obvious):
             return False
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:

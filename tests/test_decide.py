@@ -82,6 +82,20 @@ def trial(
         ),
         pytest.param([trial(0, 8, 10, steps=3)], BUDGET, "measure", cfg(0), id="a close call waits for min_steps"),
         pytest.param(
+            [trial(0, 80, 10), trial(10, 3, 5, steps=3)],
+            BUDGET,
+            "try",
+            cfg(16),
+            id="a jump sized on the step at 0 workers is corrected after 3 steps with workers",
+        ),
+        pytest.param(
+            [trial(0, 80, 10), trial(10, 3, 10, steps=3)],
+            BUDGET,
+            "measure",
+            cfg(10),
+            id="... but a jump sized on the right step waits for min_steps",
+        ),
+        pytest.param(
             [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0.2, 10)],
             BUDGET,
             "settle",

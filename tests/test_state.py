@@ -205,8 +205,10 @@ def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
     plan = WindowPlan(mode=mode, window_steps=20, min_steps=8)
     plan.epoch_started(resumable=True, tuning=True, epoch_batches=120)
     asked = []
+    state = started()
     stats = WindowStats(steps=steps, samples=16 * steps, wall_s=0.01 * steps, wait_s=stall * 0.01 * steps)
-    assert plan.close_in_epoch(steps, stats, left, distributed, lambda: asked.append(1) or epoch_s) is closes
+    early = state.judge_early(stats)
+    assert plan.close_in_epoch(steps, early, left, distributed, lambda: asked.append(1) or epoch_s) is closes
     assert len(asked) <= 1
 
 
@@ -244,3 +246,21 @@ def test_the_tuning_state_imports_neither_torch_nor_lightning():
         assert not heavy, f"{module} imports {heavy}: the tuning state must stay pure"
         todo += [m for m in imports if m.startswith("lightning_dltune.")]
     assert {"lightning_dltune.decide", "lightning_dltune.measure"} <= seen
+
+
+def test_a_jump_sized_on_the_main_process_step_is_judged_again_early():
+    """Loading in the training process made the step look 10 ms; with 4 workers it is 5 ms and still stalls:
+    the window is judged after 3 steps, and the next jump is sized on the step measured with workers."""
+    state = started()
+    zero = WindowStats(steps=8, samples=128, wall_s=8 * 0.170, wait_s=8 * 0.160, step_s=8 * 0.010)
+    decision, _ = judge(state, zero)
+    assert decision.action == "try" and decision.settings.num_workers == 16  # 1.25 x 160 / 10 -> 20, capped
+    four = LoaderSettings.normalized(4, 2)
+    state.current = four  # as if the loader had been switched to 4 workers
+    stalled = WindowStats(steps=3, samples=48, wall_s=3 * 0.008, wait_s=3 * 0.003, step_s=3 * 0.005)
+    assert stalled.stall_frac < state.policy.early_stall  # not plainly the loader's: judged early for the step
+    assert state.judge_early(stalled)
+    fed = WindowStats(steps=3, samples=48, wall_s=3 * 0.0052, wait_s=3 * 0.0002, step_s=3 * 0.005)
+    assert not state.judge_early(fed)  # no stall left: nothing to re-judge early
+    slow_step = WindowStats(steps=3, samples=48, wall_s=3 * 0.013, wait_s=3 * 0.003, step_s=3 * 0.010)
+    assert not state.judge_early(slow_step)  # the step it was sized on was right: wait for min_steps
