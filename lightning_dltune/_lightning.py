@@ -1,7 +1,7 @@
 """Every use of a private Lightning (and PyTorch DataLoader) attribute lives here.
 
 ``tests/test_lightning_private.py`` fails loudly when a release moves one of them. Checked against
-lightning 2.4-2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives inside ``fit``.
+lightning 2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives inside ``fit``.
 """
 
 from __future__ import annotations
