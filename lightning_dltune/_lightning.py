@@ -1,7 +1,7 @@
 """Every use of a private Lightning (and PyTorch DataLoader) attribute lives here.
 
 ``tests/test_lightning_private.py`` fails loudly when a release moves one of them. Checked against
-lightning 2.4-2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives inside ``fit``.
+lightning 2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives inside ``fit``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop", "_data_source"),
     ("fit_loop", "_combined_loader"),
     ("fit_loop", "_data_fetcher"),
+    ("fit_loop", "_combined_loader_states_to_load"),
     ("fit_loop._data_source", "dataloader"),
     ("fit_loop.epoch_loop", "_on_before_fetch"),
     ("fit_loop.epoch_loop", "_on_after_fetch"),
@@ -126,6 +127,15 @@ def request_train_reload(trainer: "pl.Trainer") -> None:
         fit_loop._data_fetcher.teardown()  # shuts the workers of every flattened loader down
     fit_loop._data_fetcher = None  # or fit teardown tears the torn-down fetcher down again and crashes
     fit_loop._combined_loader = None
+
+
+def loader_state_pending(trainer: "pl.Trainer", loader: Any) -> bool:
+    """Whether Lightning will load a checkpoint's saved loader state into ``loader``, in ``setup_data`` right after
+    building it: a resumed ``fit`` whose train loader had a ``state_dict`` (torchdata's ``StatefulDataLoader``,
+    litdata's ``StreamingDataLoader``), restarting mid-epoch, or at an epoch's end under ``max_steps``."""
+    fit_loop = trainer.fit_loop
+    stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return stateful and fit_loop.restarting and bool(fit_loop._combined_loader_states_to_load)
 
 
 def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any], quiet: bool = False) -> DataLoader:

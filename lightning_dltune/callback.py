@@ -298,10 +298,11 @@ class DataLoaderTuner(Callback):
         elif (self._window_steps() >= self.policy.min_steps or is_last_epoch(trainer)) and not self.plan.in_epoch:
             # short epochs pool into one window; in-epoch windows carry over into the next epoch
             self._close_window(trainer, now=False, done=trainer.num_training_batches)
+        self.switcher.epoch_ended(is_last_epoch(trainer))  # after the decision: the reload it asked for, if any
 
     def _over_memory_budget(self) -> bool:
         budget = None if self.budget is None else self.budget.memory_bytes
-        local = self.state.switching and not self.agreement.distributed
+        local = self.state.switching and not self.agreement.distributed and not self.switcher.waiting_for_epoch_end
         return local and self.probe.over_budget(self.state.current, budget)
 
     def _window_steps(self) -> int:

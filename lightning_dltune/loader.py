@@ -5,6 +5,12 @@ tuning state's target settings (and a :class:`~lightning_dltune.switch.Resumable
 switching); it installs the :class:`~lightning_dltune.switch.GuardedIterator` that performs pending switches
 between two fetches and recovers from dead workers; it requests epoch-boundary reloads; it keeps the global
 random state as an untuned run would; and it knows the epoch's position for checkpoints.
+
+A loader that carries its own state (torchdata's ``StatefulDataLoader``, litdata's ``StreamingDataLoader``) is
+restored by Lightning from the checkpoint, and that state fits only the settings it was saved with (a
+``StatefulDataLoader`` asserts the same ``num_workers``). So the first loader of a resumed run that Lightning
+restores a state into is built on those settings, and the epoch it resumes ends on them; the tuner goes on to
+its target from there.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.probe import Probe
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.state import TuningState, batches_left
+from lightning_dltune.state import Phase, TuningState, batches_left
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 
 __all__ = [
@@ -71,6 +77,9 @@ class LoaderSwitcher:
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
+        self.restored_loader: LoaderSettings | None = None  # the running loader's, in a checkpoint (its state's)
+        self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
+        self._reload = False  # reload the train loader when the epoch ends
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -114,7 +123,7 @@ class LoaderSwitcher:
         self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
-        loader = self._rebuilt(loader, current)
+        loader = self._rebuilt(loader, current, self._build_settings(loader))
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
         self._guard_needed = self.resumable  # also when no epoch start follows (Lightning resuming mid-epoch)
         self._fresh = True
@@ -123,9 +132,21 @@ class LoaderSwitcher:
         self.state.current = LoaderSettings.from_loader(loader)
         return loader
 
-    def _rebuilt(self, loader: DataLoader, current: LoaderSettings) -> DataLoader:
-        overrides: dict[str, Any] = {}
+    def _build_settings(self, loader: DataLoader) -> LoaderSettings | None:
+        """The settings to build ``loader`` with: the target, except for the first loader of a resumed run into
+        which Lightning loads the checkpoint's loader state: that state fits only the settings it was saved with."""
+        saved, self.restored_loader = self.restored_loader, None
         target = self.state.target
+        if saved is None or saved == target or target is None or self.trainer is None or not self.state.switching:
+            return target
+        if not _lightning.loader_state_pending(self.trainer, loader):
+            return target
+        self._deferred = target
+        self.aim(saved)
+        return saved
+
+    def _rebuilt(self, loader: DataLoader, current: LoaderSettings, target: LoaderSettings | None) -> DataLoader:
+        overrides: dict[str, Any] = {}
         if target is not None and target != current and self.state.switching:
             overrides.update(target.to_loader_kwargs())
         overrides.update(self._resumable_overrides(loader))
@@ -211,16 +232,35 @@ class LoaderSwitcher:
         assert self.trainer is not None
         self.aim(settings)
         if settings == self.state.current and not (everywhere and not now):
-            self._pending = None
+            self._pending, self._reload = None, False
         elif now:
             self._pending = settings
         elif not last_epoch:
-            _lightning.request_train_reload(self.trainer)
+            self._reload = True  # at the epoch's end: tearing the loader down now would end this epoch early
+
+    @property
+    def waiting_for_epoch_end(self) -> bool:
+        """A new config is decided for a loader that cannot switch inside the epoch: nothing to decide until then."""
+        target = self.state.target
+        return not self.resumable and target is not None and target != self.state.current
 
     def epoch_started(self) -> None:
         """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable
+
+    def epoch_ended(self, last_epoch: bool) -> None:
+        """A train epoch ended, after the tuner's decision: a reload asked for during it happens now. An epoch
+        resumed on a restored loader's settings goes on to the target its checkpoint had, when tuning had settled
+        on it, or when no step on the restored settings is left to judge (no decision has replaced it)."""
+        deferred, self._deferred = self._deferred, None
+        judged = self.state.tuning and self.probe.window_batches == 0
+        if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
+            self.switch(deferred, now=False, last_epoch=last_epoch)
+        if self._reload and not last_epoch:
+            assert self.trainer is not None
+            _lightning.request_train_reload(self.trainer)
+        self._reload = False
 
     def batch_done(self) -> None:
         self._fresh = False
@@ -320,21 +360,27 @@ class LoaderSwitcher:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
     def position_state(self) -> dict[str, Any]:
-        """Where the running epoch is, for a checkpoint taken mid-epoch (``{}`` otherwise): the batch the loop
-        reached and the epoch; and the epoch's order, unless the sampler derives it from seed and epoch (a
-        DistributedSampler: each rank then rebuilds its own shard, where rank 0's order would be wrong)."""
+        """Where the running epoch is, for a checkpoint: the running loader's settings (a loader state Lightning
+        saves fits only those); mid-epoch, with a resumable sampler, the batch the loop reached and the epoch; and
+        the epoch's order, unless the sampler derives it from seed and epoch (a DistributedSampler: each rank then
+        rebuilds its own shard, where rank 0's order would be wrong)."""
+        state = self._loader_state()
         if self.trainer is None or not self.resumable:
-            return {}
+            return state
         guard = _lightning.train_iterator(self.trainer)
         if not isinstance(guard, GuardedIterator):
-            return {}
+            return state
         sampler = guard.loader.batch_sampler
         if not 0 < guard.position < len(sampler):
-            return {}
-        state = {"epoch_batch": guard.position, "epoch_index": self.trainer.current_epoch}
+            return state
+        state.update(epoch_batch=guard.position, epoch_index=self.trainer.current_epoch)
         if not hasattr(sampler.sampler, "set_epoch"):
             state["epoch_order"] = sampler.epoch_order
         return state
+
+    def _loader_state(self) -> dict[str, Any]:
+        current = self.state.current
+        return {} if current is None else {"loader_settings": current.to_loader_kwargs()}
 
     def load_position(self, state: dict[str, Any]) -> None:
         batch = int(state.get("epoch_batch", 0))
@@ -342,6 +388,9 @@ class LoaderSwitcher:
             self.restored_epoch = (list(state["epoch_order"]), batch)
         elif "epoch_index" in state and batch > 0:
             self.restored_position = (int(state["epoch_index"]), batch)
+        saved = state.get("loader_settings")
+        if isinstance(saved, dict):
+            self.restored_loader = LoaderSettings.from_dict(saved)
 
     def worker_pids(self) -> list[int]:
         return [] if self.trainer is None else _lightning.train_worker_pids(self.trainer)

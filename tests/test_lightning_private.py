@@ -40,6 +40,15 @@ def test_combined_loader_reset_shuts_workers_down():
     assert "_shutdown_workers" in inspect.getsource(combined_loader._shutdown_workers_and_reset_iterator)
 
 
+def test_the_fit_loop_restores_saved_loader_states_as_the_switcher_expects():
+    """``loader_state_pending`` predicts what ``setup_data`` does right after building the train loader."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    src = inspect.getsource(_FitLoop._load_combined_loader_states)
+    assert "self.restarting" in src and "self._combined_loader_states_to_load" in src
+    assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
+
+
 def test_recorded_dataloader_arguments_are_where_the_rebuild_reads_them():
     from lightning.fabric.utilities.data import _replace_dunder_methods
 

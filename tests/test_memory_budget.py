@@ -58,7 +58,8 @@ class Leaky(SyntheticDataset):
         self.leak = leak_kib * 1024
 
     def __getitem__(self, index):
-        Leaky.kept.append(bytes(self.leak))  # per process: each worker its own list
+        # written, so it counts: `bytes(n)` is calloc'd zero pages that USS does not see until touched
+        Leaky.kept.append(b"\1" * self.leak)  # per process: each worker its own list
         return super().__getitem__(index)
 
 
