@@ -274,7 +274,7 @@ class DataLoaderTuner(Callback):
         left = batches - (batch_idx + 1)
         if self.plan.close_in_epoch(
             self._window_steps(),
-            self.state.judge_early(self.probe.peek()),
+            self.state.judge_early(self.probe.peek(), on_gpu=self.probe.gpu is not None),
             left,
             self.agreement.distributed,
             lambda: self.agreement.largest(batches * self.probe.peek().mean_wall_s),

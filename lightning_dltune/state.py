@@ -150,12 +150,16 @@ class TuningState:
         return cur.num_workers != start.num_workers or cur.persistent_workers != start.persistent_workers
 
     # --- deciding -----------------------------------------------------------------------------------------------
-    def judge_early(self, stats: WindowStats) -> bool:
-        """Whether the window so far (``stats``, on the current config) can be judged before ``min_steps``: its
-        stall is plainly the loader's beyond noise, or the jump to it was sized on a longer step than it has
-        (see :func:`~lightning_dltune.decide.plainly_input_bound` and ``sized_on_a_longer_step``)."""
+    def judge_early(self, stats: WindowStats, on_gpu: bool = False) -> bool:
+        """Whether the window so far (``stats``: the host's, on the current config) can be judged before it is
+        full: its stall is plainly the loader's beyond noise, or the jump to it was sized on a longer step than
+        it has (see :func:`~lightning_dltune.decide.plainly_input_bound` and ``sized_on_a_longer_step``).
+        ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
+        queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's."""
         if self.current is None or not self.tuning:
             return False
+        if on_gpu:
+            return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
         trials = [*self.trials, Trial(self.current, stats)]
         return plainly_input_bound(stats, self.policy) or sized_on_a_longer_step(trials, self.policy)
 

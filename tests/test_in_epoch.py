@@ -231,7 +231,7 @@ def test_an_in_epoch_switch_stops_the_old_workers_before_the_new_ones_start(tmp_
     class M(SimulatedModel):
         def train_dataloader(self):
             return DataLoader(
-                SyntheticDataset(length=480, latency_ms=2.0),
+                SyntheticDataset(length=960, latency_ms=2.0),  # long enough that a switch pays for its start
                 batch_size=8,
                 shuffle=True,
                 num_workers=2,  # non-persistent: the loader does not hold its iterator

@@ -264,3 +264,12 @@ def test_a_jump_sized_on_the_main_process_step_is_judged_again_early():
     assert not state.judge_early(fed)  # no stall left: nothing to re-judge early
     slow_step = WindowStats(steps=3, samples=48, wall_s=3 * 0.013, wait_s=3 * 0.003, step_s=3 * 0.010)
     assert not state.judge_early(slow_step)  # the step it was sized on was right: wait for min_steps
+
+
+def test_on_a_gpu_the_host_stall_closes_a_window_only_after_min_steps():
+    """The host can wait while the GPU's queue fills: that is no stall, and the GPU's gap is read at the close."""
+    state = started()
+    waiting = WindowStats(steps=3, samples=48, wall_s=3 * 0.020, wait_s=3 * 0.015, step_s=3 * 0.005)
+    assert state.judge_early(waiting) and not state.judge_early(waiting, on_gpu=True)
+    longer = WindowStats(steps=8, samples=128, wall_s=8 * 0.020, wait_s=8 * 0.015, step_s=8 * 0.005)
+    assert state.judge_early(longer, on_gpu=True)
