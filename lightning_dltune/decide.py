@@ -117,13 +117,16 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Decision:
-    """``failed``: why the config being left failed (it went over the memory budget); it is never chosen again."""
+    """``failed``: why the config being left failed (it went over the memory budget); it is never chosen again.
+    ``probe_memory``: a smaller config tried first to measure its workers' memory (and its growth) before a far
+    jump; its window runs its full length."""
 
     action: Action
     settings: LoaderSettings
     reason: str
     estimate: Estimate | None = field(default=None, compare=False)
     failed: str | None = None
+    probe_memory: bool = field(default=False, compare=False)  # the next window is there to read the workers' memory
 
 
 def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Estimate:
@@ -414,13 +417,14 @@ def decide(
             f"{est.mem_ceiling_bytes / MiB:.0f} MiB"
         )
     predicted_wall = max(est.busy_s, est.batch_s / target)
-    return try_(
+    decision = try_(
         cand,
         last.stats.mean_wall_s - predicted_wall,
         f"a batch takes {est.batch_s * 1e3:.1f} ms to load and the step {est.busy_s * 1e3:.1f} ms: "
         f"{est.needed_workers} workers hide it{limit}",
         est,
     )
+    return replace(decision, probe_memory=first is not None)
 
 
 def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: int) -> int | None:

@@ -93,6 +93,7 @@ class TuningState:
         self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
         self.memory_limit: int | None = None  # the most workers the memory budget held (an earlier run's, cached)
         self._cached_entry: dict[str, Any] | None = None
+        self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
 
     # --- the loader ---------------------------------------------------------------------------------------------
     @property
@@ -155,8 +156,9 @@ class TuningState:
         full: its stall is plainly the loader's beyond noise, or the jump to it was sized on a longer step than
         it has (see :func:`~lightning_dltune.decide.plainly_input_bound` and ``sized_on_a_longer_step``).
         ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
-        queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's."""
-        if self.current is None or not self.tuning:
+        queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's. A window that is
+        there to read a smaller config's memory before a far jump is never judged early."""
+        if self.current is None or not self.tuning or self._probing_memory:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
@@ -212,6 +214,7 @@ class TuningState:
                 self.trials.append(Trial(self.current, stats))
             return None
         self.trials.append(Trial(self.current, stats, failed=decision.failed, decision=decision_text(decision)))
+        self._probing_memory = decision.action == "try" and decision.probe_memory
         if decision.failed is not None:  # only the memory budget fails a config by decision
             limit = decision.settings.num_workers
             self.memory_limit = limit if self.memory_limit is None else min(self.memory_limit, limit)

@@ -1,23 +1,11 @@
 import threading
 import time
 
-import psutil
 import pytest
 
 from lightning_dltune._warn import reset_warnings
 
-
-def _children() -> list[psutil.Process]:
-    """Live child processes, less multiprocessing's resource tracker: the first ``spawn`` of a process starts it,
-    once, for the rest of that process's life (it is no worker left behind)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
+from helpers import live_children
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +37,11 @@ def lightning_log(caplog):
 def no_leftovers():
     """Fail a test that leaves worker processes or dltune threads behind."""
     reset_warnings()
-    before = {p.pid for p in _children()}
+    before = {p.pid for p in live_children()}
     yield
     deadline = time.monotonic() + 10
     while True:
-        extra = [p for p in _children() if p.pid not in before]
+        extra = [p for p in live_children() if p.pid not in before]
         threads = [t for t in threading.enumerate() if t.name.startswith("dltune")]
         if not extra and not threads:
             return

@@ -9,6 +9,19 @@ from lightning_dltune import DataLoaderTuner
 CORES = len(os.sched_getaffinity(0))
 
 
+def live_children(process: psutil.Process | None = None, recursive: bool = True) -> list[psutil.Process]:
+    """Live child processes (of this process by default), less multiprocessing's resource tracker: the first
+    ``spawn`` in a process starts it, once, for the rest of that process's life (it is no loader worker)."""
+    out = []
+    for p in (process or psutil.Process()).children(recursive=recursive):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
 class EpochClock(pl.Callback):
     """Wall time of each training epoch, and how many worker processes ran mid-epoch."""
 
@@ -22,8 +35,7 @@ class EpochClock(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 4 and self.tuner is not None and self.tuner.state.current is not None:
-            alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-            self.children.append((len(alive), self.tuner.state.current.num_workers))
+            self.children.append((len(live_children()), self.tuner.state.current.num_workers))
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.durations.append(time.perf_counter() - self._t0)

@@ -13,7 +13,7 @@ from lightning_dltune._lightning import recording
 from lightning_dltune.switch import ResumableBatchSampler, is_worker_death
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
-from helpers import make_trainer
+from helpers import live_children, make_trainer
 
 # ---------------------------------------------------------------------------------------------------------
 # the sampler
@@ -219,8 +219,7 @@ class CountWorkersAtStart:
         self.path = str(path)
 
     def __call__(self, worker_id):
-        parent = psutil.Process(os.getppid())
-        alive = [p for p in parent.children() if p.status() != psutil.STATUS_ZOMBIE]
+        alive = live_children(psutil.Process(os.getppid()), recursive=False)
         with open(self.path, "a") as fh:
             fh.write(f"{len(alive)}\n")
 

@@ -99,6 +99,7 @@ def test_prior_a_jump_that_fits_even_at_the_ceiling_goes_straight_there():
     start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=40)  # this process holds 40 MiB
     decision = decide([start], MEM, Policy())
     assert decision.action == "try" and decision.settings == cfg(13)  # 13 x 40 MiB fits 600 MiB
+    assert not decision.probe_memory
 
 
 def test_prior_a_far_jump_over_the_ceiling_measures_a_smaller_config_first():
@@ -106,6 +107,7 @@ def test_prior_a_far_jump_over_the_ceiling_measures_a_smaller_config_first():
     decision = decide([start], MEM, Policy())
     assert decision.action == "try" and decision.settings == cfg(2)  # 2 x 250 fits; 13 x 250 might not
     assert "2 first, to measure a worker's memory before going to 13" in decision.reason
+    assert decision.probe_memory  # its window runs its full length: never judged early
     tiny = decide([start], Budget(cpus=2, max_workers=64, memory_bytes=100 * MiB), Policy())
     assert tiny.settings == cfg(1)  # even one might not fit: measure one
 

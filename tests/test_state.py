@@ -273,3 +273,16 @@ def test_on_a_gpu_the_host_stall_closes_a_window_only_after_min_steps():
     assert state.judge_early(waiting) and not state.judge_early(waiting, on_gpu=True)
     longer = WindowStats(steps=8, samples=128, wall_s=8 * 0.020, wait_s=8 * 0.015, step_s=8 * 0.005)
     assert state.judge_early(longer, on_gpu=True)
+
+
+def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
+    state = started()
+    budget = Budget(cpus=2.0, max_workers=16, memory_bytes=600 * 2**20)
+    zero = WindowStats(
+        steps=8, samples=128, wall_s=8 * 0.110, wait_s=8 * 0.100, step_s=8 * 0.010, main_mem_bytes=250 * 2**20
+    )
+    decision, _ = judge(state, zero, budget=budget)
+    assert decision.probe_memory and decision.settings.num_workers == 2
+    state.current = decision.settings
+    stalled = WindowStats(steps=3, samples=48, wall_s=3 * 0.060, wait_s=3 * 0.055, step_s=3 * 0.005)
+    assert not state.judge_early(stalled)  # plainly stalled, but its memory must be read first
