@@ -47,9 +47,14 @@ def own_footprint() -> float:
     return float(max(0, info.rss - getattr(info, "shared", 0)))
 
 
+CPU_SHARE_FAR = 0.02  # of one CPU the memory readings may take while the workers are far from the budget
+CPU_SHARE_NEAR = 0.10  # ... and once they hold 3/4 of it
+
+
 class MemoryWatch:
-    """Samples the running loader's workers' USS every ``interval_s`` in a thread, so memory that grows during
-    an epoch (copy-on-read) is seen while it grows, not only when a window closes.
+    """Samples the running loader's workers' USS every ``interval_s`` (or less often, see :meth:`next_interval`) in
+    a thread, so memory that grows during an epoch (copy-on-read) is seen while it grows, not only when a window
+    closes.
 
     The training loop counts the batches it took (:meth:`batch_taken`); a sample records, for the worker set it
     read (the same PIDs), the batches taken since that set started. :meth:`take` fits the window's samples
@@ -66,6 +71,11 @@ class MemoryWatch:
     ) -> None:
         self._worker_pids, self._read, self._clock = worker_pids, read, clock
         self.interval_s = interval_s
+        # Reading USS walks each worker's page tables (/proc/PID/smaps_rollup): about 7 ms of this process's CPU
+        # per torch worker, 0.1 s for 16. The reads take at most CPU_SHARE of one CPU, the larger share once the
+        # workers are near the budget (``pressure``: their latest total over the budget, set by the step's check).
+        self.pressure = 1.0
+        self._read_s = 0.0
         self._lock = threading.Lock()
         self._samples: list[MemorySample] = []
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
@@ -114,14 +124,22 @@ class MemoryWatch:
             self._thread = threading.Thread(target=self._run, name="dltune-memory", daemon=True)
             self._thread.start()
 
+    def next_interval(self) -> float:
+        """Seconds to the next reading: ``interval_s``, stretched so that reading takes at most 2% of a CPU while
+        the workers hold under 3/4 of the budget, 10% above that."""
+        share = CPU_SHARE_NEAR if self.pressure >= 0.75 else CPU_SHARE_FAR
+        return max(self.interval_s, self._read_s / share)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_interval()):
+            t0 = time.perf_counter()
             self.sample()
+            self._read_s = time.perf_counter() - t0
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5 * self.interval_s + 1.0)
+            self._thread.join(timeout=5 * self.interval_s + 5 * self._read_s + 1.0)
             self._thread = None
 
 
@@ -268,6 +286,7 @@ class Probe:
         if latest is None or budget_bytes is None or settings is None:
             return False
         flight = in_flight_bytes(self._known_batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        self.memory.pressure = (latest.total_bytes + latest.workers * flight) / budget_bytes if budget_bytes else 1.0
         return over_budget(latest.total_bytes, latest.workers, flight, budget_bytes)
 
     def skip(self) -> None:

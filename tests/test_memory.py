@@ -183,3 +183,16 @@ def test_the_watch_counts_batches_per_worker_set_and_windows_apart():
     mem = watch.take()
     assert mem.samples == 3 and mem.peak_total_bytes == 26 * MiB and watch.latest is None
     assert watch.take().samples == 1  # a window without a reading takes one at its end
+
+
+def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():
+    from lightning_dltune.probe import CPU_SHARE_FAR, CPU_SHARE_NEAR, MemoryWatch
+
+    watch = MemoryWatch(interval_s=0.25)
+    watch._read_s = 0.1  # reading 16 torch workers' page tables takes about this much CPU
+    watch.pressure = 0.3
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_FAR)  # 5 s: 2% of a CPU
+    watch.pressure = 0.8
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # 1 s: 10% of a CPU
+    watch._read_s = 0.005
+    assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s
