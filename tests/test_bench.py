@@ -138,6 +138,9 @@ def test_rates_above_the_physical_limit_are_withdrawn():
     check_limits(rows, cpus=2)
     assert rows[2].batches_per_s is None and "above the physical limit 49.6" in rows[2].note
     assert rows[3].batches_per_s == 24.0 and rows[3].limit_batches_per_s == pytest.approx(24.8)
+    near = [row(1, 3.0), row(4, 13.0)]  # 8% above 4 x the 1-worker rate: within that rate's own noise
+    check_limits(near, cpus=2)
+    assert near[1].batches_per_s == 13.0
     # a CPU-bound loader: 2 CPUs and 50 ms of CPU per batch cannot give more than 40 batches/s, however many workers
     assert physical_limit(16, 20.0, 2, 0.05) == pytest.approx(40.0)
 

@@ -60,7 +60,7 @@ def test_bench_sweeps_recommends_and_writes_json_and_plot(target, tmp_path, caps
             "--prefetch",
             "2",
             "--batches",
-            "6",
+            "12",
             "--repeats",
             "2",
             "--step-ms",
