@@ -300,10 +300,16 @@ class TuningState:
         return next((t for t in reversed(self.trials) if t.settings == settings and t.usable), None)
 
     def finish(self, budget: Budget) -> None:
-        """``fit`` ended: make sure there is a result and a diagnosis, even if tuning had not ended."""
-        if self.phase is Phase.SETTLED or not any(t.usable for t in self.trials):
+        """``fit`` ended: make sure there is a result and a diagnosis, even if tuning had not ended. When every
+        config measured failed (each went over the memory budget, say), the one running at the end is the result:
+        the tuner chose it as the fallback."""
+        if self.phase is Phase.SETTLED or not self.trials:
             return
-        best = pick_best(self.trials, self.policy).settings
+        usable = any(t.usable for t in self.trials)
+        if not usable and (not self.tuning or self.current is None):
+            return
+        best = pick_best(self.trials, self.policy).settings if usable else self.current
+        assert best is not None
         if not self.tuning or self.best_settings is None:
             self.best_settings = best.to_loader_kwargs()
         self.diagnosis = diagnose(self.trials, best, budget, self.policy, held=self.held)

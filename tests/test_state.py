@@ -286,3 +286,26 @@ def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
     state.current = decision.settings
     stalled = WindowStats(steps=3, samples=48, wall_s=3 * 0.060, wait_s=3 * 0.055, step_s=3 * 0.005)
     assert not state.judge_early(stalled)  # plainly stalled, but its memory must be read first
+
+
+def test_a_fit_that_ends_after_every_measured_config_failed_reports_the_fallback_it_runs():
+    state = started(LoaderSettings.normalized(4, 2))
+    budget = Budget(cpus=2.0, max_workers=16, memory_bytes=160 * 2**20)
+    over = WindowStats(
+        steps=20,
+        samples=160,
+        wall_s=0.5,
+        wait_s=0.01,
+        step_s=0.49,
+        worker_mem_total_bytes=300 * 2**20,
+        worker_mem_bytes=75 * 2**20,
+        worker_mem_base_bytes=20 * 2**20,
+        main_mem_bytes=100 * 2**20,
+        epoch_batches=60,
+    )
+    decision, _ = judge(state, over, budget=budget)
+    assert decision.action == "try" and decision.failed and decision.settings.num_workers < 4
+    state.current = decision.settings  # fit ends before the fallback's window closes
+    state.finish(budget)
+    assert state.best_settings == decision.settings.to_loader_kwargs()
+    assert "Memory:" in state.diagnosis and "had not settled" in state.diagnosis
