@@ -31,6 +31,7 @@ from lightning_dltune.budget import cpu_budget, default_max_workers
 from lightning_dltune.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune.measure import process_cpu_seconds
 from lightning_dltune.probe import batch_size as batch_size_of
+from lightning_dltune.probe import worker_uss
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
 
@@ -198,14 +199,10 @@ def _is_datamodule(obj: Any) -> bool:
 
 
 def _worker_uss_mb() -> float:
+    """The mean unique memory of this process's children (the loader's workers), in MiB."""
     import psutil
 
-    sizes = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            sizes.append(child.memory_full_info().uss)
-        except psutil.Error:
-            continue
+    sizes = worker_uss([child.pid for child in psutil.Process().children(recursive=True)])
     return statistics.mean(sizes) / 2**20 if sizes else 0.0
 
 

@@ -313,6 +313,12 @@ def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -
     return busy_now < 0.75 * busy_then and last.stats.stall_lower_bound() > policy.stall_threshold
 
 
+def judged_early(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+    """Whether the last trial's window can be judged before ``min_steps``: its stall is plainly the loader's
+    (:func:`plainly_input_bound`), or the jump to it was sized on a longer step (:func:`sized_on_a_longer_step`)."""
+    return plainly_input_bound(trials[-1].stats, policy) or sized_on_a_longer_step(trials, policy)
+
+
 def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
     return stats.wait_p90_s > policy.burst_ratio * stats.wait_p50_s and stats.wait_p90_s > 0.25 * busy
 
@@ -335,8 +341,7 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
-    early = plainly_input_bound(last.stats, policy) or sized_on_a_longer_step(trials, policy)
-    if last.failed is None and last.stats.steps < policy.min_steps and not early:
+    if last.failed is None and last.stats.steps < policy.min_steps and not judged_early(trials, policy):
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:
         start = trials[0].settings

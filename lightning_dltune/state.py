@@ -29,9 +29,9 @@ from lightning_dltune.decide import (
     decide,
     diagnose,
     enforce_memory,
+    judged_early,
     pick_best,
     plainly_input_bound,
-    sized_on_a_longer_step,
     verify_cached,
 )
 from lightning_dltune.measure import WindowStats
@@ -162,8 +162,7 @@ class TuningState:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        trials = [*self.trials, Trial(self.current, stats)]
-        return plainly_input_bound(stats, self.policy) or sized_on_a_longer_step(trials, self.policy)
+        return judged_early([*self.trials, Trial(self.current, stats)], self.policy)
 
     def decide(
         self, stats: WindowStats, budget: Budget, remaining_steps: int | None, failed: Sequence[LoaderSettings] = ()
