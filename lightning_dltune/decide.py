@@ -536,8 +536,9 @@ def memory_diagnosis(trials: Sequence[Trial], budget: Budget, policy: Policy = P
 
 
 _MEMORY_FIX = (
-    "Keep the data in numpy arrays or tensors instead of lists of Python objects, memory-map files, or load "
-    "lazily in `__getitem__`"
+    "Keep the data in numpy arrays or tensors instead of lists of Python objects, memory-map files, load "
+    "lazily in `__getitem__`, or call `gc.freeze()` just before `fit` so that garbage collections stop copying "
+    "the training process's objects into every worker"
 )
 
 

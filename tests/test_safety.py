@@ -1,3 +1,4 @@
+import gc
 import threading
 
 import lightning.pytorch as pl
@@ -36,7 +37,18 @@ def tune_hungry(tmp_path, max_memory):
     # cache off: both runs must tune from the same start to compare what the budget held back (a hit would
     # settle at once); the default cache path has its own tests in test_cache.py
     tuner = DataLoaderTuner(max_memory=max_memory, cache=False, max_trials=6)
-    make_trainer(tmp_path, [tuner], max_epochs=5, logger=False).fit(SimulatedModel(step_ms=10), datamodule=dm)
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=5, logger=False)
+    model = SimulatedModel(step_ms=10)
+    # Only the dataset's own objects may decide what a worker holds. Unfrozen, a garbage collection in the
+    # training process (or in a worker) touches every object header of this test process, which after a
+    # few hundred tests is some 480 MiB: each worker's copy of those pages then depends on what ran before
+    # (CI measured 203 MiB for one worker at start-up). Frozen objects are never traversed by a collection.
+    gc.collect()
+    gc.freeze()
+    try:
+        trainer.fit(model, datamodule=dm)
+    finally:
+        gc.unfreeze()
     return tuner
 
 
