@@ -2,12 +2,13 @@
 # The GPU check of lightning-dltune, for a machine with a CUDA GPU: installs what it needs, runs the GPU tests
 # (tests marked `gpu`, plus the GPU-path tests that run anywhere), then a short GPU benchmark (a small CNN on the
 # GPU fed by a CPU-decoded dataset: DataLoaderTuner from 0 workers against every static config), and prints a
-# compact result. About 2-4 minutes on an H200 with 16 CPUs; each stage has a time limit, 6 minutes in all.
+# CUDA truth benchmark (benchmarks/truth_gpu.py: the tuner's event-based stall against a synchronized reference), and
+# prints a compact result. About 3-5 minutes on an H200 with 16 CPUs; each stage has a time limit, 7 minutes in all.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        # default OUT_DIR: benchmarks/results
 #
-# Writes OUT_DIR/gpu_check.log and OUT_DIR/gpu_cuda.json. Without a CUDA device the tests skip and the
-# benchmark runs as a CPU smoke run (--device cpu --quick), so the script itself can be checked anywhere.
+# Writes OUT_DIR/gpu_check.log, OUT_DIR/gpu_cuda.json and OUT_DIR/truth_gpu_quick.json. Without a CUDA device
+# the tests skip and the benchmarks run as CPU smoke runs (--device cpu), so the script can be checked anywhere.
 # Needs no network where torch, lightning, torchmetrics, nvidia-ml-py, psutil, tensorboard and pytest are
 # installed; otherwise it pip-installs the missing ones.
 set -uo pipefail
@@ -49,20 +50,24 @@ PYEOF
     fi
 
     echo "== GPU tests"
-    timeout 200 "$py" -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" \
+    timeout 170 "$py" -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" \
         tests/test_cuda.py tests/test_gpu_timeline.py tests/test_gpu_callback.py tests/test_nvml.py
     tests_rc=$?
 
     echo "== GPU benchmark"
     timeout 150 "$py" benchmarks/gpu.py --out "$out" "${bench_args[@]}"
     bench_rc=$?
-    echo "== done: tests rc=$tests_rc, benchmark rc=$bench_rc"
-    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+
+    echo "== CUDA truth benchmark"
+    timeout 100 "$py" benchmarks/truth_gpu.py --quick --out "$out" "${bench_args[@]:0:2}"
+    truth_rc=$?
+    echo "== done: tests rc=$tests_rc, benchmark rc=$bench_rc, truth rc=$truth_rc"
+    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$truth_rc" -eq 0 ]
 }
 
 run 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 echo
 echo "== summary (full log: $log)"
-grep -E "^(torch |NOTE|RESULT|wrote|== done)|passed|failed|skipped|error" "$log" | grep -v "^  " | tail -15
+grep -E "^(torch |NOTE|RESULT|wrote|== done|\| )|passed|failed|skipped|error" "$log" | grep -v "^  " | tail -25
 exit "$rc"
