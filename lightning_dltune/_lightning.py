@@ -33,6 +33,7 @@ COMBINED_LOADER_PRIVATE: tuple[tuple[str, str], ...] = (
 # PyTorch DataLoader internals used for in-epoch switching and worker-death recovery: (owner, attribute).
 TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("DataLoader", "_iterator"),
+    ("DataLoader", "_get_iterator"),
     ("_MultiProcessingDataLoaderIter", "_workers"),
     ("_MultiProcessingDataLoaderIter", "_shutdown_workers"),
     ("_MultiProcessingDataLoaderIter", "_worker_pids_set"),
@@ -267,6 +268,26 @@ def detach_from_sigchld(iterator: Iterator[Any]) -> None:
 
         signal_handling._remove_worker_pids(id(iterator))
         iterator._worker_pids_set = False  # type: ignore[attr-defined]
+
+
+def serve_carried_iterator(loader: DataLoader, take: Callable[[DataLoader], Iterator[Any] | None]) -> None:
+    """Make ``iter(loader)`` start from ``take(loader)`` when it returns an iterator (one carried over from the last
+    epoch), creating one as PyTorch does otherwise. ``DataLoader.__iter__`` calls ``self._get_iterator()`` for a
+    new iterator, and for a persistent loader only while ``_iterator`` is ``None`` (see :func:`release_iterator`)."""
+    create = type(loader)._get_iterator.__get__(loader)
+
+    def get_iterator() -> Iterator[Any]:
+        carried = take(loader)
+        return carried if carried is not None else create()
+
+    loader._get_iterator = get_iterator  # type: ignore[method-assign]
+
+
+def release_iterator(loader: DataLoader) -> None:
+    """Let go of a persistent loader's iterator, so the next ``iter(loader)`` asks for a new one instead of
+    resetting it (a reset drains the workers and refills them from the epoch's start)."""
+    if getattr(loader, "_iterator", None) is not None:
+        loader._iterator = None
 
 
 def will_reuse_iterator(loader: Any) -> bool:

@@ -86,6 +86,13 @@ class DataLoaderTuner(Callback):
         plot: after ``fit``, draw the run (stall, samples/s and ``num_workers`` over steps, config changes marked,
             the diagnosis as caption) as a PNG next to the report (``dltune_report.png``), when matplotlib is
             installed and a report is written. ``dltune plot REPORT.json`` draws the same picture later.
+        seamless_epochs: load the next epoch's first batches while this epoch's last ones are consumed, so no
+            epoch starts with an empty pipeline (PyTorch refills it at every epoch start, persistent workers or
+            not). ``"auto"``: where the next epoch's order is known before it begins, drawn exactly as it would be
+            then (no shuffling, a ``DistributedSampler``, a loader or sampler with its own ``generator``), on the
+            loaders the tuner builds with workers and in-epoch switching. ``True``: on every sampler; a
+            ``RandomSampler`` without a generator is then seeded from the run's seed and the epoch (reproducible,
+            but not the order a run without the tuner draws). ``False``: off.
 
     Raises:
         ValueError: if an argument is outside its allowed values.
@@ -160,10 +167,10 @@ class DataLoaderTuner(Callback):
         report_path: str | Path | bool | None = None,
         verbose: bool = True,
         plot: bool = True,
+        seamless_epochs: bool | str = "auto",
     ) -> None:
-        check_tuner_arguments(
-            stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps, plot
-        )
+        args = (stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps)
+        check_tuner_arguments(*args, plot, seamless_epochs)
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
         self.observe_only, self.tune_iterable, self.mode, self.log_gpu = observe_only, tune_iterable, mode, log_gpu
@@ -175,7 +182,8 @@ class DataLoaderTuner(Callback):
         self.state = TuningState(self.policy, observe_only)
         self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
         self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
-        self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, self._lookup_cache, self._fail)
+        hooks = (self._lookup_cache, self._fail)
+        self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, *hooks, seamless_epochs)
         self.agreement = Agreement()
         self.budget: Budget | None = None
         self.report: dict[str, Any] | None = None

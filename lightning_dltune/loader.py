@@ -28,6 +28,7 @@ from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader,
 from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.probe import Probe
+from lightning_dltune.seamless import Seamless
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, batches_left
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
@@ -54,6 +55,7 @@ class LoaderSwitcher:
         on_first_loader: called with the user's first loader (the cache lookup).
         on_failure: ``(what failed, why) -> fallback settings | None`` when a worker died or a config the tuner
             chose could not start.
+        seamless: seamless epochs (see :mod:`lightning_dltune.seamless`): ``"auto"``, ``True`` or ``False``.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class LoaderSwitcher:
         tune_iterable: bool = False,
         on_first_loader: Callable[[DataLoader], None] = lambda loader: None,
         on_failure: OnFailure = lambda kind, why: None,
+        seamless: bool | str = "auto",
     ) -> None:
         self.state, self.probe = state, probe
         self.mode, self.tune_iterable = mode, tune_iterable
@@ -80,6 +83,11 @@ class LoaderSwitcher:
         self.restored_loader: LoaderSettings | None = None  # the running loader's, in a checkpoint (its state's)
         self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
         self._reload = False  # reload the train loader when the epoch ends
+        self.seamless = Seamless(
+            seamless, _lightning.serve_carried_iterator, _lightning.release_iterator, _lightning.shutdown_iterator
+        )
+        self.seamless.epoch = lambda: self.trainer.current_epoch if self.trainer is not None else 0
+        self.seamless.base_draws = lambda: self.state.start is None or not self.state.start.persistent_workers
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
@@ -91,6 +99,7 @@ class LoaderSwitcher:
 
     def restore(self) -> None:
         """Undo :meth:`install`; safe to call twice."""
+        self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
         self._restores = []
@@ -102,6 +111,7 @@ class LoaderSwitcher:
     def _on_loader(self, loader: Any) -> Any:
         """Every train-loader request of ``fit`` passes here (see ``_lightning.install_loader_transform``)."""
         self.probe.loader_requested()
+        self.seamless.drop()
         if not isinstance(loader, DataLoader):
             self._disable(
                 "unsupported-loader",
@@ -126,6 +136,7 @@ class LoaderSwitcher:
         loader = self._rebuilt(loader, current, self._build_settings(loader))
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
         self._guard_needed = self.resumable  # also when no epoch start follows (Lightning resuming mid-epoch)
+        self.seamless.attach(loader)
         self._fresh = True
         if self.resumable and self.restored_epoch is not None:
             self._resume_epoch(loader.batch_sampler)
@@ -257,6 +268,9 @@ class LoaderSwitcher:
         judged = self.state.tuning and self.probe.window_batches == 0
         if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
             self.switch(deferred, now=False, last_epoch=last_epoch)
+        go_on = not (self._reload or last_epoch or self._pending is not None)
+        if self.trainer is not None:
+            self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
         if self._reload and not last_epoch:
             assert self.trainer is not None
             _lightning.request_train_reload(self.trainer)
@@ -299,6 +313,7 @@ class LoaderSwitcher:
         assert self.trainer is not None
         with _lightning.recording():
             new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
+        self.seamless.attach(new)
         _lightning.shutdown_workers(loader)
         _lightning.replace_train_loader(self.trainer, new)
         self.state.current = settings
@@ -356,8 +371,10 @@ class LoaderSwitcher:
             torch.set_rng_state(saved[0])
             if saved[1] is not None and loader.generator is not None:
                 loader.generator.set_state(saved[1])
-        if not start.persistent_workers and _lightning.will_reuse_iterator(loader):
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        carried = self.seamless.carrying  # its generator's draw was made before the next order's (seamless)
+        if not start.persistent_workers and (_lightning.will_reuse_iterator(loader) or carried):
+            if not (carried and loader.generator is not None):
+                torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
     def position_state(self) -> dict[str, Any]:
         """Where the running epoch is, for a checkpoint: the running loader's settings (a loader state Lightning

@@ -162,6 +162,7 @@ def check_tuner_arguments(
     mode: Any,
     window_steps: Any,
     plot: Any = True,
+    seamless_epochs: Any = "auto",
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
     from lightning_dltune.state import MODES
@@ -181,3 +182,8 @@ def check_tuner_arguments(
     check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
     check_int(window_steps, "window_steps", 2, "The default is 20.")
     check_bool(plot, "plot", "Use False to skip the PNG of the run.")
+    if not (seamless_epochs is True or seamless_epochs is False or seamless_epochs == "auto"):
+        raise ValueError(
+            f"`seamless_epochs` must be one of ('auto', True, False), got {seamless_epochs!r}. Use 'auto' to load the "
+            "next epoch's first batches ahead where its order is known, False to start every epoch afresh."
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import Any
 
 import torch
@@ -42,6 +43,12 @@ class ResumableBatchSampler(BatchSampler):
         # survives Lightning rebuilding this batch sampler around the DistributedSampler it injects.
         self._resume_epoch = resume_epoch
         self.offset = 0  # the batch of the epoch the latest iteration starts at
+        # seamless epochs (see `carry_on`): an iteration goes on into the next epochs' batches; their orders are
+        # drawn as the workers ask for them and kept, by epoch number, until their epoch begins
+        self.seamless = False
+        self._before_draw: Callable[[int], None] = lambda ahead: None
+        self._epoch_no = 0  # the number of the epoch `_order` belongs to (counted by this sampler)
+        self._upcoming: dict[int, array] = {}
 
     def __iter__(self) -> Iterator[list[int]]:
         # known as soon as the iterator is asked for; the resume itself is taken when the first batch is drawn,
@@ -60,16 +67,62 @@ class ResumableBatchSampler(BatchSampler):
                 self.sampler.set_epoch(epoch)
             self._order = self._draw()
         elif start is None or self._order is None:  # a new epoch from its start
-            start, self._order = 0, self._draw()
-        order = self._order
+            start = 0
+            self._begin_next_epoch()
+        epoch_no, order = self._epoch_no, self._order
         n = len(self)
         bs = self.batch_size
-        for b in range(start, n):
-            yield order[b * bs : (b + 1) * bs].tolist()
+        while True:
+            for b in range(start, n):
+                yield order[b * bs : (b + 1) * bs].tolist()
+            if not self.seamless:
+                return
+            # the next epoch's first batches, while this one's last are consumed: the workers never run dry
+            epoch_no, start = epoch_no + 1, 0
+            order = self._order_for(epoch_no)
+
+    def _order_for(self, epoch_no: int) -> array:
+        """Epoch ``epoch_no``'s order: drawn once (the first iteration to reach it draws it), kept until used."""
+        if epoch_no not in self._upcoming:
+            self._before_draw(epoch_no - self._epoch_no)
+            self._upcoming[epoch_no] = self._draw()
+        return self._upcoming[epoch_no]
+
+    def _begin_next_epoch(self) -> None:
+        self._epoch_no += 1
+        if self._epoch_no in self._upcoming:
+            self._order = self._upcoming.pop(self._epoch_no)
+        else:
+            self._before_draw(0)
+            self._order = self._draw()
+        self._upcoming = {k: v for k, v in self._upcoming.items() if k > self._epoch_no}
+
+    def carry_on(self, before_draw: Callable[[int], None]) -> None:
+        """Seamless epochs: every iteration goes on into the next epochs' batches, so the workers load epoch
+        e+1's first batches while epoch e's last ones are consumed. ``before_draw(ahead)`` is called before each
+        order is drawn, ``ahead`` epochs after the current one (0: the current one), to make the draw exactly
+        what it would be at that epoch's start (the sampler's epoch, a generator's state)."""
+        self.seamless, self._before_draw = True, before_draw
+
+    def advance(self) -> bool:
+        """The next epoch begins on an iteration carried over from the last one: its order becomes the current
+        one, and offsets count from its start. False when that iteration had not reached it yet."""
+        if self._epoch_no + 1 not in self._upcoming:
+            return False
+        self._begin_next_epoch()
+        self.offset = 0
+        return True
+
+    def forget_upcoming(self) -> bool:
+        """Drop the orders drawn ahead (no iteration will use them); True when there were any."""
+        drawn, self._upcoming = bool(self._upcoming), {}
+        return drawn
 
     def _draw(self) -> array:
+        # exactly the batches an epoch consumes, and no further: a RandomSampler with a generator draws one more
+        # permutation when it is iterated past its end, which a loop that stops at the epoch's length never does
         order = array("q")
-        for batch in super().__iter__():
+        for batch in islice(super().__iter__(), len(self)):
             order.extend(batch)
         return order
 
@@ -145,6 +198,9 @@ class GuardedIterator(Iterator[Any]):
         prepare(inner)
 
     def __next__(self) -> Any:
+        sampler = self.loader.batch_sampler
+        if sampler.seamless and self.position >= len(sampler):  # the inner one goes on into the next epoch
+            raise StopIteration
         new = self._replace(self.loader)
         if new is not None:
             self._switch(new)
@@ -171,7 +227,16 @@ class GuardedIterator(Iterator[Any]):
             raise TypeError("a replacement loader must keep the ResumableBatchSampler of the epoch")
         sampler.resume_at(self.position)
         self._close(self.inner)
-        with torch.random.fork_rng(devices=[]):
-            inner = iter(new)
+        # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
+        # state: a run that never switched makes no such draw in the middle of an epoch. The draw is taken from the
+        # global state here, which fork_rng puts back; the generator keeps only what the sampler draws (with
+        # seamless epochs, the next epoch's order may be drawn as the new workers are first given batches)
+        generator = getattr(new, "generator", None)
+        new.generator = None
+        try:
+            with torch.random.fork_rng(devices=[]):
+                inner = iter(new)
+        finally:
+            new.generator = generator
         self._prepare(inner)
         self.loader, self.inner = new, inner

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_dltune import DataLoaderTuner
@@ -39,6 +40,14 @@ class Record(pl.Callback):
     @property
     def epochs(self) -> list[list[int]]:
         return [self.by_epoch[e] for e in sorted(self.by_epoch)]
+
+
+class Dropout(SimulatedModel):
+    """Draws from the global random state in every step, as dropout does: seamless epochs must not move a draw."""
+
+    def training_step(self, batch, batch_idx):
+        x = torch.nn.functional.dropout(batch[0], 0.5)
+        return super().training_step((x, *batch[1:]), batch_idx)
 
 
 class KillOnRank1(pl.Callback):
@@ -98,7 +107,7 @@ def main() -> None:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
     dm = SyntheticDataModule(dataset, batch_size=16, num_workers=workers)
     ckpt_path = sys.argv[4] if kind == "tail" else None
-    trainer.fit(SimulatedModel(step_ms=5), datamodule=dm, ckpt_path=ckpt_path)
+    trainer.fit(Dropout(step_ms=5), datamodule=dm, ckpt_path=ckpt_path)
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -117,6 +126,7 @@ def main() -> None:
         "phase": str(tuner.phase),
         "settled_step": tuner.settled_step,
         "failed": [t.failed for t in tuner.trials],
+        "carried": tuner.switcher.seamless.carried,  # epochs begun on the last epoch's iterator (seamless)
         "report_file": None if tuner.report_file is None else str(tuner.report_file),
         "memory_budget": None if tuner.budget is None else tuner.budget.memory_bytes,
     }

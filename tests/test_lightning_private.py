@@ -79,6 +79,25 @@ def test_torch_dataloader_internals_used_for_switching_exist():
         _lightning.shutdown_workers(dl)
 
 
+def test_a_carried_iterator_is_what_iter_returns_for_persistent_and_new_iterators():
+    # seamless epochs: `DataLoader.__iter__` asks `self._get_iterator()` for a new iterator, and a persistent
+    # loader asks only while its `_iterator` is None
+    carried = iter([("carried",)])
+    for persistent in (True, False):
+        dl = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=persistent)
+        offered = [carried]
+        _lightning.serve_carried_iterator(dl, lambda loader: offered.pop() if offered else None)
+        try:
+            assert iter(dl) is carried
+            _lightning.release_iterator(dl)
+            assert dl._iterator is None
+            fresh = iter(dl)  # nothing offered: PyTorch's own iterator
+            assert fresh is not carried and next(fresh).tolist() == [0, 1]
+            _lightning.shutdown_iterator(fresh)
+        finally:
+            _lightning.shutdown_workers(dl)
+
+
 def test_the_train_combined_loaders_iterator_is_where_the_switcher_reaches_it():
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
 

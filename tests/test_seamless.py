@@ -1,0 +1,172 @@
+"""Seamless epochs: the next epoch's first batches load while this one's last are consumed, every epoch's order
+exactly what a run without them (and without the tuner) trains on."""
+
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+
+from helpers import make_trainer
+
+
+class Dropout(SimulatedModel):
+    """Draws from the global random state in every step, as dropout does."""
+
+    def __init__(self, step_ms=5.0):
+        super().__init__(step_ms=step_ms)
+        self.drop = nn.Dropout(0.5)
+
+    def training_step(self, batch, batch_idx):
+        x = self.drop(batch[0])
+        return super().training_step((x, *batch[1:]), batch_idx)
+
+
+class Epochs(pl.Callback):
+    """Each epoch's indices, and how long its first batch took to arrive after the epoch began."""
+
+    def __init__(self):
+        self.epochs, self.first_wait = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([])
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.first_wait.append(time.perf_counter() - self._t0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.epochs[-1].extend(int(i) for i in batch[2])
+
+
+def described(tuner):
+    return tuner.switcher.seamless.carried, [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.trials]
+
+
+def fit(tmp_path, callbacks, epochs=4, workers=0, latency_ms=2.0, step_ms=5.0, length=320, seed=7, trainer_kw=None,
+        **loader):
+    pl.seed_everything(0)
+    ds = SyntheticDataset(length, latency_ms=latency_ms)
+    kwargs = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+    kwargs.update(loader)
+    if seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    dl = DataLoader(ds, batch_size=16, shuffle=True, **kwargs)
+    record = Epochs()
+    trainer = make_trainer(tmp_path, [*callbacks, record], max_epochs=epochs, logger=False, **(trainer_kw or {}))
+    trainer.fit(Dropout(step_ms), train_dataloaders=dl)
+    return record
+
+
+def test_tuned_with_seamless_epochs_every_epoch_trains_what_an_untuned_run_trains(tmp_path):
+    untuned = fit(tmp_path / "untuned", [])
+    tuner = DataLoaderTuner()
+    tuned = fit(tmp_path / "tuned", [tuner])
+    trials = [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.trials]
+    assert tuner.switcher.seamless.carried >= 1, trials
+    assert tuned.epochs == untuned.epochs, ([e[:4] for e in tuned.epochs], [e[:4] for e in untuned.epochs], trials)
+
+
+def test_the_next_epoch_is_loaded_while_this_one_ends_and_without_it_every_epoch_waits(tmp_path):
+    # 160 ms to load a batch, a 60 ms step: the tuner goes to enough workers to hide it; each epoch's first batch
+    # then waits for a whole production time unless the workers were already loading it
+    on, off = DataLoaderTuner(), DataLoaderTuner(seamless_epochs=False)  # the argument under test
+    waits = {}
+    for name, tuner in (("on", on), ("off", off)):
+        run = fit(tmp_path / name, [tuner], epochs=5, latency_ms=10.0, step_ms=60.0, length=192)
+        waits[name] = sorted(run.first_wait[2:])  # after the tuner settled: the epochs each config starts alike
+    assert on.switcher.seamless.carried >= 3 and off.switcher.seamless.carried == 0
+    assert on.best_settings["num_workers"] > 0 and off.best_settings["num_workers"] > 0
+    assert waits["off"][0] > 0.1, waits  # a refill: at least most of a batch's 160 ms
+    assert waits["on"][-1] < waits["off"][0] / 2, waits
+
+
+def test_a_sampler_that_draws_from_the_global_state_is_left_alone_unless_asked(tmp_path, lightning_log):
+    untuned = fit(tmp_path / "untuned", [], seed=None)
+    auto = DataLoaderTuner()
+    tuned = fit(tmp_path / "auto", [auto], seed=None)
+    assert auto.switcher.seamless.carried == 0 and tuned.epochs == untuned.epochs
+    assert "seamless epochs are off for this loader: its RandomSampler draws each epoch's seed" in lightning_log.text
+
+    # opted in: each epoch's order comes from the run's seed and the epoch, the same in two runs, every sample once
+    runs = []
+    for i in range(2):
+        tuner = DataLoaderTuner(seamless_epochs=True)  # the argument under test
+        runs.append(fit(tmp_path / f"on{i}", [tuner], seed=None).epochs)
+        assert tuner.switcher.seamless.carried >= 1
+    assert runs[0] == runs[1]
+    assert all(sorted(epoch) == list(range(320)) for epoch in runs[0])
+    assert len({tuple(epoch) for epoch in runs[0]}) == len(runs[0])  # a new order every epoch
+
+
+def test_epochs_cut_short_and_validation_between_epochs_keep_the_untuned_order(tmp_path):
+    class Validated(Dropout):
+        validated = 0
+
+        def validation_step(self, batch, batch_idx):
+            Validated.validated += 1
+
+    def run(path, callbacks):
+        pl.seed_everything(0)
+        g = torch.Generator().manual_seed(3)
+        dl = DataLoader(SyntheticDataset(320, latency_ms=2.0), batch_size=16, shuffle=True, generator=g)
+        val = DataLoader(SyntheticDataset(64), batch_size=16)
+        record = Epochs()
+        trainer = make_trainer(path, [*callbacks, record], max_epochs=4, logger=False, limit_val_batches=None)
+        trainer.fit(Validated(), train_dataloaders=dl, val_dataloaders=val)
+        return record
+
+    untuned = run(tmp_path / "untuned", [])
+    tuner = DataLoaderTuner()
+    Validated.validated = 0
+    tuned = run(tmp_path / "tuned", [tuner])
+    assert tuned.epochs == untuned.epochs and tuner.switcher.seamless.carried >= 1, described(tuner)
+    assert Validated.validated == 4 * 4 + 2  # every epoch validated (and the sanity check ran its 2 batches)
+
+    # 15 of 20 batches an epoch: each epoch stops before its end, and the next draws its own order as without
+    def short(path, callbacks):
+        return fit(path, callbacks, trainer_kw={"limit_train_batches": 15})
+
+    untuned = short(tmp_path / "untuned_short", [])
+    tuner = DataLoaderTuner()
+    tuned = short(tmp_path / "tuned_short", [tuner])
+    assert tuned.epochs == untuned.epochs and tuner.switcher.seamless.carried == 0, described(tuner)
+
+
+def test_seamless_epochs_argument_is_checked():
+    with pytest.raises(ValueError, match=r"`seamless_epochs` must be one of \('auto', True, False\), got 'yes'"):
+        DataLoaderTuner(seamless_epochs="yes")
+    with pytest.raises(ValueError, match="seamless_epochs"):
+        DataLoaderTuner(seamless_epochs=1)
+
+
+# early, and late enough that the new loader's first requests (4 workers x 2) reach into the next epoch's order
+@pytest.mark.parametrize("at", [0, 5])
+def test_a_switch_inside_an_epoch_leaves_the_generator_as_a_run_without_it(at):
+    g = torch.Generator().manual_seed(1)
+    data = list(range(64))
+    sampler = ResumableBatchSampler(RandomSampler(data, generator=g), 8, False)
+    sampler.carry_on(lambda ahead: None)
+    first = DataLoader(data, batch_sampler=sampler, num_workers=1, prefetch_factor=1, generator=g)
+    second = DataLoader(data, batch_sampler=sampler, num_workers=4, generator=g)
+    switch = lambda loader: second if loader is first and guard.position == at else None  # noqa: E731
+    guard = GuardedIterator(first, iter(first), switch, lambda *a: None, lambda it: None)
+    epoch0 = [int(i) for batch in guard for i in batch]
+    assert guard.loader is second and sampler.advance()
+    epoch1 = [int(i) for _, batch in zip(range(8), guard.inner) for i in batch]
+
+    expected = torch.Generator().manual_seed(1)
+    torch.empty((), dtype=torch.int64).random_(generator=expected)  # the first iterator's base seed
+    assert epoch0 == torch.randperm(64, generator=expected).tolist()
+    assert epoch1 == torch.randperm(64, generator=expected).tolist()
+    for loader in (first, second):
+        if loader._iterator is not None:
+            loader._iterator._shutdown_workers()
+    guard.inner._shutdown_workers()
