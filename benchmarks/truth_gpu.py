@@ -42,13 +42,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
+from truth import BATCH, Prebuilt, collate, production_s
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
 
 from sections import write_section
-from truth import BATCH, Prebuilt, collate, production_s
 
 HERE = Path(__file__).resolve().parent
 STEP_MS = 20.0
@@ -183,8 +183,9 @@ def calibrate(device: str, kernel: Kernel, sync: bool, epochs: int, samples: int
     return statistics.median((ends[s[-1]] - ends[s[0] - 1]) / len(s) for s, _, _ in steady_windows(model, windows))
 
 
-def run_config(name: str, workers: int, device: str, kernel: Kernel, sync: bool, cal_s: float, epochs: int,
-               samples: int) -> dict[str, Any]:
+def run_config(
+    name: str, workers: int, device: str, kernel: Kernel, sync: bool, cal_s: float, epochs: int, samples: int
+) -> dict[str, Any]:
     w = WORKLOADS[name]
     dataset = w["make"](samples)
     kwargs: dict[str, Any] = {"num_workers": workers, "pin_memory": device == "cuda"}
@@ -196,8 +197,15 @@ def run_config(name: str, workers: int, device: str, kernel: Kernel, sync: bool,
     for steps, stats, gpu in steady_windows(model, windows):
         wall = ends[steps[-1]] - ends[steps[0] - 1]
         truth = max(0.0, wall - len(steps) * cal_s) / wall
-        rows.append({"steps": len(steps), "truth": truth, "host": stats.stall_frac,
-                     "events": None if gpu is None else gpu.stall_frac, "wall_s": wall})
+        rows.append(
+            {
+                "steps": len(steps),
+                "truth": truth,
+                "host": stats.stall_frac,
+                "events": None if gpu is None else gpu.stall_frac,
+                "wall_s": wall,
+            }
+        )
     # the events' windows lag the host's on an asynchronous run (a step is read once the GPU reaches it), so the
     # run's figure is over every step the timeline read, against the truth over the same steps' span
     gpu_idle = sum(g.idle_s for _, _, g in windows if g is not None)
@@ -209,17 +217,25 @@ def run_config(name: str, workers: int, device: str, kernel: Kernel, sync: bool,
     host_run = sum(s.wait_s for _, s, _ in windows) / host_wall if host_wall > 0 else 0.0
     window_errors = [abs(r["events"] - r["truth"]) * 100 for r in rows if r["events"] is not None]
     summary = {
-        "workload": name, "what": w["what"], "workers": workers, "sync": sync,
+        "workload": name,
+        "what": w["what"],
+        "workers": workers,
+        "sync": sync,
         "known_batch_ms": production_s(dataset) * 1e3,
-        "truth": truth_run, "events": events_run, "host": host_run,
+        "truth": truth_run,
+        "events": events_run,
+        "host": host_run,
         "events_error_pp": None if events_run is None else (events_run - truth_run) * 100,
         "host_error_pp": (host_run - truth_run) * 100,
         "max_window_error_pp": max(window_errors) if window_errors else None,
         "windows": rows,
     }
     ev = "n/a" if events_run is None else f"{events_run:6.1%}"
-    print(f"  {'sync ' if sync else 'async'} {name:9s} {workers}w  truth {truth_run:6.1%}  events {ev}  host "
-          f"{host_run:6.1%}", flush=True)
+    print(
+        f"  {'sync ' if sync else 'async'} {name:9s} {workers}w  truth {truth_run:6.1%}  events {ev}  host "
+        f"{host_run:6.1%}",
+        flush=True,
+    )
     return summary
 
 
@@ -238,31 +254,43 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for s, a in zip(results["sync"], results["async"], strict=True):
+
         def pct(v: float | None) -> str:
             return "n/a" if v is None else f"{v:.1%}"
 
         mw = "n/a" if s["max_window_error_pp"] is None else f"{s['max_window_error_pp']:.1f} pp"
-        lines.append(f"| {s['workload']} ({s['what']}) | {s['workers']} | {pct(s['truth'])} | {pct(s['events'])} | "
-                     f"{mw} | {pct(a['truth'])} | {pct(a['events'])} | {pct(a['host'])} |")
+        lines.append(
+            f"| {s['workload']} ({s['what']}) | {s['workers']} | {pct(s['truth'])} | {pct(s['events'])} | "
+            f"{mw} | {pct(a['truth'])} | {pct(a['events'])} | {pct(a['host'])} |"
+        )
     errs = [abs(r["events_error_pp"]) for r in results["sync"] + results["async"] if r["events_error_pp"] is not None]
     host = [r["host_error_pp"] for r in results["async"]]
     if errs:
-        lines += ["", f"The event-based stall is within {max(errs):.1f} pp of the truth on every run (target 2 pp); "
-                  f"the host timer on the asynchronous runs is off by {min(host):+.1f} to {max(host):+.1f} pp."]
+        lines += [
+            "",
+            f"The event-based stall is within {max(errs):.1f} pp of the truth on every run (target 2 pp); "
+            f"the host timer on the asynchronous runs is off by {min(host):+.1f} to {max(host):+.1f} pp.",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cuda (default); cpu only checks that this script runs (no GPU figures)")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (default); cpu only checks that this script runs (no GPU figures)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke size: 2 epochs of 30 steps")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--write-md", action="store_true", help="write its section of BENCHMARKS.md")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here; run it on a GPU machine (scripts/gpu_check.sh), or pass "
-                     "--device cpu to check the script")
+        parser.error(
+            "--device cuda: no CUDA device here; run it on a GPU machine (scripts/gpu_check.sh), or pass "
+            "--device cpu to check the script"
+        )
     warnings.filterwarnings("ignore")
     epochs, samples = (2, 30 * BATCH) if args.quick else (3, 50 * BATCH)
     t0 = time.perf_counter()
@@ -270,15 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
-        "kernel_ms": kernel.measured_ms(), "epochs": epochs, "samples": samples,
-        "torch": torch.__version__, "lightning": pl.__version__,
+        "kernel_ms": kernel.measured_ms(),
+        "epochs": epochs,
+        "samples": samples,
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
     }
     for mode, sync in (("sync", True), ("async", False)):
         cal = calibrate(args.device, kernel, sync, epochs, samples)
         results[f"cal_{mode}_ms"] = cal * 1e3
         print(f"{mode}: {cal * 1e3:.2f} ms per step with the batches in memory", flush=True)
-        results[mode] = [run_config(n, k, args.device, kernel, sync, cal, epochs, samples)
-                         for n, w in WORKLOADS.items() for k in w["workers"]]
+        results[mode] = [
+            run_config(n, k, args.device, kernel, sync, cal, epochs, samples)
+            for n, w in WORKLOADS.items()
+            for k in w["workers"]
+        ]
     results["wall_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"truth_gpu{'_' + args.device if args.device != 'cuda' else ''}{'_quick' if args.quick else ''}.json"

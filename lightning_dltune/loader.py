@@ -372,9 +372,9 @@ class LoaderSwitcher:
             if saved[1] is not None and loader.generator is not None:
                 loader.generator.set_state(saved[1])
         carried = self.seamless.carrying  # its generator's draw was made before the next order's (seamless)
-        if not start.persistent_workers and (_lightning.will_reuse_iterator(loader) or carried):
-            if not (carried and loader.generator is not None):
-                torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        reused = _lightning.will_reuse_iterator(loader) or carried
+        if not start.persistent_workers and reused and not (carried and loader.generator is not None):
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
     def position_state(self) -> dict[str, Any]:
         """Where the running epoch is, for a checkpoint: the running loader's settings (a loader state Lightning

@@ -111,14 +111,15 @@ class Seamless:
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
         sampler = batches.sampler
         epoch = self.epoch() + ahead
-        if self.setting is True and isinstance(sampler, RandomSampler) and not hasattr(sampler, "set_epoch"):
-            if sampler.generator is None or getattr(sampler, "_dltune_seeded", False):
-                sampler.generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
-                sampler._dltune_seeded = True  # type: ignore[attr-defined]
+        ours = isinstance(sampler, RandomSampler) and (sampler.generator is None or hasattr(sampler, "_dltune_seeded"))
+        if self.setting is True and ours and not hasattr(sampler, "set_epoch"):
+            sampler.generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
+            sampler._dltune_seeded = True  # type: ignore[attr-defined]
         if ahead < 1:
             return
         own = getattr(sampler, "generator", None)
-        self._saved[epoch] = [(g, g.get_state()) for g in {id(g): g for g in (generator, own) if g is not None}.values()]
+        generators = {id(g): g for g in (generator, own) if g is not None}.values()
+        self._saved[epoch] = [(g, g.get_state()) for g in generators]
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         if generator is not None and self.base_draws():

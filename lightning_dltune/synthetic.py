@@ -173,8 +173,10 @@ class SyntheticDataModule(TunableDataModuleMixin, pl.LightningDataModule):
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         shuffle: bool = True,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
+        self.seed = seed  # a generator for the loader: each epoch's order known ahead (seamless epochs)
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -184,4 +186,7 @@ class SyntheticDataModule(TunableDataModuleMixin, pl.LightningDataModule):
         self.shuffle = shuffle
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, **self.loader_kwargs)
+        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator, **self.loader_kwargs
+        )

@@ -86,7 +86,7 @@ def test_a_carried_iterator_is_what_iter_returns_for_persistent_and_new_iterator
     for persistent in (True, False):
         dl = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=persistent)
         offered = [carried]
-        _lightning.serve_carried_iterator(dl, lambda loader: offered.pop() if offered else None)
+        _lightning.serve_carried_iterator(dl, lambda loader, offered=offered: offered.pop() if offered else None)
         try:
             assert iter(dl) is carried
             _lightning.release_iterator(dl)

@@ -2,6 +2,7 @@
 exactly what a run without them (and without the tuner) trains on."""
 
 import time
+from itertools import islice
 
 import lightning.pytorch as pl
 import pytest
@@ -50,8 +51,9 @@ def described(tuner):
     return tuner.switcher.seamless.carried, [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.trials]
 
 
-def fit(tmp_path, callbacks, epochs=4, workers=0, latency_ms=2.0, step_ms=5.0, length=320, seed=7, trainer_kw=None,
-        **loader):
+def fit(
+    tmp_path, callbacks, epochs=4, workers=0, latency_ms=2.0, step_ms=5.0, length=320, seed=7, trainer_kw=None, **loader
+):
     pl.seed_everything(0)
     ds = SyntheticDataset(length, latency_ms=latency_ms)
     kwargs = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
@@ -160,7 +162,7 @@ def test_a_switch_inside_an_epoch_leaves_the_generator_as_a_run_without_it(at):
     guard = GuardedIterator(first, iter(first), switch, lambda *a: None, lambda it: None)
     epoch0 = [int(i) for batch in guard for i in batch]
     assert guard.loader is second and sampler.advance()
-    epoch1 = [int(i) for _, batch in zip(range(8), guard.inner) for i in batch]
+    epoch1 = [int(i) for batch in islice(guard.inner, 8) for i in batch]
 
     expected = torch.Generator().manual_seed(1)
     torch.empty((), dtype=torch.int64).random_(generator=expected)  # the first iterator's base seed
