@@ -44,12 +44,15 @@ class Seamless:
     Args:
         setting: ``"auto"`` (where the next epoch's order is known), ``True`` (every sampler; a ``RandomSampler``
             without a generator gets an epoch-seeded one), ``False`` (never).
-        epoch: the running epoch (``trainer.current_epoch``).
-        base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
-            persistent), drawing a base seed from the loader's generator.
         serve: ``serve(loader, take)`` makes ``iter(loader)`` start from ``take(loader)`` when that returns an
             iterator; ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(iterator)`` stops
             an iterator's workers (the loader switcher passes ``lightning_dltune._lightning``'s).
+
+    Attributes:
+        epoch: the running epoch (``trainer.current_epoch``), set by the switcher.
+        base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
+            persistent), drawing a base seed from the loader's generator; set by the switcher.
+        carried: how many epochs began on an iterator carried over from the epoch before.
     """
 
     def __init__(
@@ -99,14 +102,15 @@ class Seamless:
         if not isinstance(sampler, ResumableBatchSampler):
             return
         why = self.why_not(loader)
-        sampler.seamless = why is None
-        if why is not None:
-            if self.setting is not False and loader.num_workers > 0:
-                info_once("seamless-off", f"DataLoaderTuner: seamless epochs are off for this loader: {why}.")
-            return
-        generator = loader.generator
-        sampler.carry_on(lambda ahead: self._before_draw(sampler, generator, ahead))
-        self._serve(loader, self._take)
+        if why is not None and self.setting is not False and loader.num_workers > 0:
+            info_once("seamless-off", f"DataLoaderTuner: seamless epochs are off for this loader: {why}.")
+        if why is None or self.setting is True:  # with True, every order is drawn epoch-seeded, workers or not
+            generator = loader.generator
+            sampler.carry_on(lambda ahead: self._before_draw(sampler, generator, ahead), seamless=why is None)
+        else:
+            sampler.seamless = False
+        if why is None:
+            self._serve(loader, self._take)
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
         sampler = batches.sampler

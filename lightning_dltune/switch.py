@@ -97,12 +97,13 @@ class ResumableBatchSampler(BatchSampler):
             self._order = self._draw()
         self._upcoming = {k: v for k, v in self._upcoming.items() if k > self._epoch_no}
 
-    def carry_on(self, before_draw: Callable[[int], None]) -> None:
+    def carry_on(self, before_draw: Callable[[int], None], seamless: bool = True) -> None:
         """Seamless epochs: every iteration goes on into the next epochs' batches, so the workers load epoch
         e+1's first batches while epoch e's last ones are consumed. ``before_draw(ahead)`` is called before each
         order is drawn, ``ahead`` epochs after the current one (0: the current one), to make the draw exactly
-        what it would be at that epoch's start (the sampler's epoch, a generator's state)."""
-        self.seamless, self._before_draw = True, before_draw
+        what it would be at that epoch's start (the sampler's epoch, a generator's state). ``seamless=False`` keeps
+        only the hook (iterations end with their epoch)."""
+        self.seamless, self._before_draw = seamless, before_draw
 
     def advance(self) -> bool:
         """The next epoch begins on an iteration carried over from the last one: its order becomes the current
