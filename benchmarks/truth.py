@@ -107,32 +107,42 @@ def production_s(dataset: Dataset, batches: int = 12) -> float:
     return (time.perf_counter() - t0) / batches
 
 
-def fit(loader: DataLoader, epochs: int, settings: LoaderSettings) -> tuple[Accelerator, list[tuple[int, WindowStats]]]:
-    """Train with an observe-only tuner (the configs are fixed here: measured, never switched) and return the
-    accelerator's record and the tuner's logging windows as ``(global step at the log, stats)``."""
-    model = Accelerator(STEP_MS, HOST_MS)
+def observe(
+    model: pl.LightningModule, loader: DataLoader, epochs: int, steps: Any, log_every: int = LOG_EVERY, **trainer: Any
+) -> list[Any]:
+    """Train ``model`` on ``loader`` with an observe-only tuner (the config is fixed here: measured, never
+    switched) and return the tuner's logging windows as it logged them: ``(steps(), host stats, GPU stats)``,
+    ``steps()`` read at each log (the model's own count of steps so far)."""
     tuner = DataLoaderTuner(observe_only=True, verbose=False, report_path=False, cache=False)
-    windows: list[tuple[int, WindowStats]] = []
+    windows: list[Any] = []
     take_log = tuner.probe.take_log
 
     def recorded() -> Any:  # read the window the tuner logs, as it logs it
         out = take_log()
-        windows.append((len(model.busy), out[0]))
+        windows.append((steps(), out[0], out[1]))
         return out
 
     tuner.probe.take_log = recorded  # type: ignore[method-assign]
-    trainer = pl.Trainer(
+    pl.Trainer(
         max_epochs=epochs,
         callbacks=[tuner],
         logger=False,
-        log_every_n_steps=LOG_EVERY,
+        log_every_n_steps=log_every,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-    )
-    trainer.fit(model, train_dataloaders=loader)
-    return model, windows
+        **trainer,
+    ).fit(model, train_dataloaders=loader)
+    return windows
+
+
+def fit(loader: DataLoader, epochs: int, settings: LoaderSettings) -> tuple[Accelerator, list[tuple[int, WindowStats]]]:
+    """Train with an observe-only tuner and return the accelerator's record and the tuner's logging windows as
+    ``(global step at the log, stats)``."""
+    model = Accelerator(STEP_MS, HOST_MS)
+    windows = observe(model, loader, epochs, lambda: len(model.busy))
+    return model, [(end, stats) for end, stats, _ in windows]
 
 
 def idle_per_step(model: Accelerator, steps: range) -> tuple[float, float, float]:

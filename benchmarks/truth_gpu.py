@@ -42,9 +42,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
-from truth import BATCH, Prebuilt, collate, production_s
+from truth import BATCH, Prebuilt, collate, observe, production_s
 
-from lightning_dltune import DataLoaderTuner
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
 
@@ -136,29 +135,7 @@ def fit(loader: DataLoader, device: str, kernel: Kernel, sync: bool, epochs: int
     """Train with an observe-only tuner; return the model and the logging windows as ``(steps so far, host
     stats, GPU stats)``, as the tuner logged them."""
     model = Accelerator(kernel, HOST_MS, sync)
-    tuner = DataLoaderTuner(observe_only=True, verbose=False, report_path=False, cache=False)
-    windows: list[tuple[int, WindowStats, Any]] = []
-    take_log = tuner.probe.take_log
-
-    def recorded() -> Any:
-        out = take_log()
-        windows.append((len(model.ends), out[0], out[1]))
-        return out
-
-    tuner.probe.take_log = recorded  # type: ignore[method-assign]
-    trainer = pl.Trainer(
-        accelerator=device,
-        devices=1,
-        max_epochs=epochs,
-        callbacks=[tuner],
-        logger=False,
-        log_every_n_steps=LOG_EVERY,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(model, train_dataloaders=loader)
+    windows = observe(model, loader, epochs, lambda: len(model.ends), LOG_EVERY, accelerator=device, devices=1)
     return model, windows
 
 
