@@ -52,7 +52,7 @@ def described(tuner):
 
 
 def fit(
-    tmp_path, callbacks, epochs=4, workers=0, latency_ms=2.0, step_ms=5.0, length=320, seed=7, trainer_kw=None, **loader
+    tmp_path, callbacks, epochs=4, workers=0, latency_ms=5.0, step_ms=5.0, length=320, seed=7, trainer_kw=None, **loader
 ):
     pl.seed_everything(0)
     ds = SyntheticDataset(length, latency_ms=latency_ms)
@@ -102,7 +102,7 @@ def test_a_sampler_that_draws_from_the_global_state_is_left_alone_unless_asked(t
     for i in range(2):
         tuner = DataLoaderTuner(seamless_epochs=True)  # the argument under test
         runs.append(fit(tmp_path / f"on{i}", [tuner], seed=None).epochs)
-        assert tuner.switcher.seamless.carried >= 1
+        assert tuner.switcher.seamless.carried >= 1, described(tuner)
     assert runs[0] == runs[1]
     assert all(sorted(epoch) == list(range(320)) for epoch in runs[0])
     assert len({tuple(epoch) for epoch in runs[0]}) == len(runs[0])  # a new order every epoch
@@ -118,7 +118,7 @@ def test_epochs_cut_short_and_validation_between_epochs_keep_the_untuned_order(t
     def run(path, callbacks):
         pl.seed_everything(0)
         g = torch.Generator().manual_seed(3)
-        dl = DataLoader(SyntheticDataset(320, latency_ms=2.0), batch_size=16, shuffle=True, generator=g)
+        dl = DataLoader(SyntheticDataset(320, latency_ms=5.0), batch_size=16, shuffle=True, generator=g)
         val = DataLoader(SyntheticDataset(64), batch_size=16)
         record = Epochs()
         trainer = make_trainer(path, [*callbacks, record], max_epochs=4, logger=False, limit_val_batches=None)
