@@ -13,7 +13,6 @@ tuner's first and settled configs.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -30,6 +29,8 @@ from lightning_dltune import DataLoaderTuner
 from lightning_dltune.budget import cpu_budget
 from lightning_dltune.nvml import open_sampler
 from lightning_dltune.synthetic import busy_cpu
+
+from sections import write_results
 
 HERE = Path(__file__).resolve().parent
 
@@ -197,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{final.stall_frac:.1%}, GPU {gpu_final}"
     )
     print(f"RESULT diagnosis: {tuner.diagnosis}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu_{args.device}{'_quick' if args.quick else ''}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results(args.out, f"gpu_{args.device}{'_quick' if args.quick else ''}.json", result)
     print(f"wrote {path}")
     return 0
 

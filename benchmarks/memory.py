@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 import warnings
@@ -27,7 +26,7 @@ from lightning_dltune import DataLoaderTuner
 from lightning_dltune.memory import MiB
 from lightning_dltune.synthetic import PythonObjectsDataset, SimulatedModel, SyntheticDataModule, WorkerMemoryWatch
 
-from sections import write_section
+from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 BUDGET = 600 * MiB
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             "diagnosis": tuner.diagnosis,
         },
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "memory.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, "memory.json", result)
     t = result["tuner"]
     section = (
         f"Memory budget (`benchmarks/memory.py`): 2 million Python strings read a slice per sample (copy-on-read), "

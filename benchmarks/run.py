@@ -34,6 +34,8 @@ from lightning_dltune.loader import rebuild_dataloader  # noqa: F401  (documents
 from lightning_dltune.measure import StepTimer
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
 
+from sections import write_results
+
 HERE = Path(__file__).resolve().parent
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -403,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     results["wall_s"] = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("quick.json" if args.quick else "latest.json")).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, "quick.json" if args.quick else "latest.json", results)
     table = markdown(results)
     print("\n" + table)
     if args.write_md:

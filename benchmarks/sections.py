@@ -3,9 +3,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def write_results(out: Path, name: str, results: Any) -> Path:
+    """Write a benchmark's raw numbers to ``out/name`` (JSON, the folder made if needed); returns the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
 
 
 def write_section(name: str, section: str, path: Path = BENCHMARKS_MD) -> None:

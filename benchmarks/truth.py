@@ -24,7 +24,6 @@ production time), read where the model uses it: at 0 workers, or with workers th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
 
-from sections import write_section
+from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 BATCH = 16
@@ -315,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     torch.set_num_threads(default_threads)
     results["wall_s"] = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("truth_quick.json" if args.quick else "truth.json")).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, "truth_quick.json" if args.quick else "truth.json", results)
     section = markdown(results)
     print("\n" + section)
     if args.write_md:

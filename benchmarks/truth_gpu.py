@@ -31,7 +31,6 @@ at 0 workers they may read lower than the truth by that much; the host timer cou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ from truth import BATCH, Prebuilt, collate, observe, production_s
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
 
-from sections import write_section
+from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 STEP_MS = 20.0
@@ -291,11 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             for k in w["workers"]
         ]
     results["wall_s"] = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
     name = f"truth_gpu{'_' + args.device if args.device != 'cuda' else ''}{'_quick' if args.quick else ''}.json"
-    (args.out / name).write_text(json.dumps(results, indent=2) + "\n")
+    path = write_results(args.out, name, results)
     section = markdown(results)
-    print("\n" + section + f"\nwrote {args.out / name} ({results['wall_s']:.0f} s)")
+    print("\n" + section + f"\nwrote {path} ({results['wall_s']:.0f} s)")
     if args.write_md:
         write_section("truth_gpu", section)
     return 0

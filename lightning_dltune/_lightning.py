@@ -290,6 +290,13 @@ def release_iterator(loader: DataLoader) -> None:
         loader._iterator = None
 
 
+def shutdown_unless_held(loader: DataLoader, iterator: Iterator[Any]) -> None:
+    """Stop ``iterator``'s workers unless it is ``loader``'s own persistent iterator, which the loader resets at the
+    next ``iter()``."""
+    if getattr(loader, "_iterator", None) is not iterator:
+        shutdown_iterator(iterator)
+
+
 def will_reuse_iterator(loader: Any) -> bool:
     """True when ``iter(loader)`` resets an existing persistent-worker iterator instead of creating one."""
     return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None

@@ -84,10 +84,13 @@ class LoaderSwitcher:
         self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
         self._reload = False  # reload the train loader when the epoch ends
         self.seamless = Seamless(
-            seamless, _lightning.serve_carried_iterator, _lightning.release_iterator, _lightning.shutdown_iterator
+            seamless,
+            epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
+            base_draws=lambda: self.state.start is None or not self.state.start.persistent_workers,
+            serve=_lightning.serve_carried_iterator,
+            release=_lightning.release_iterator,
+            shutdown=_lightning.shutdown_unless_held,
         )
-        self.seamless.epoch = lambda: self.trainer.current_epoch if self.trainer is not None else 0
-        self.seamless.base_draws = lambda: self.state.start is None or not self.state.start.persistent_workers
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:

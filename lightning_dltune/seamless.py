@@ -44,28 +44,30 @@ class Seamless:
     Args:
         setting: ``"auto"`` (where the next epoch's order is known), ``True`` (every sampler; a ``RandomSampler``
             without a generator gets an epoch-seeded one), ``False`` (never).
+        epoch: the running epoch (``trainer.current_epoch``).
+        base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
+            persistent), drawing a base seed from the loader's generator.
         serve: ``serve(loader, take)`` makes ``iter(loader)`` start from ``take(loader)`` when that returns an
-            iterator; ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(iterator)`` stops
-            an iterator's workers (the loader switcher passes ``lightning_dltune._lightning``'s).
+            iterator; ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)``
+            stops an iterator's workers unless the loader holds it (the loader switcher passes
+            ``lightning_dltune._lightning``'s).
 
     Attributes:
-        epoch: the running epoch (``trainer.current_epoch``), set by the switcher.
-        base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
-            persistent), drawing a base seed from the loader's generator; set by the switcher.
         carried: how many epochs began on an iterator carried over from the epoch before.
     """
 
     def __init__(
         self,
         setting: bool | str = "auto",
+        epoch: Callable[[], int] = lambda: 0,
+        base_draws: Callable[[], bool] = lambda: True,
         serve: Callable[[DataLoader, Callable[[DataLoader], Iterator[Any] | None]], None] = lambda loader, take: None,
         release: Callable[[DataLoader], None] = lambda loader: None,
-        shutdown: Callable[[Iterator[Any]], None] = lambda iterator: None,
+        shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
     ) -> None:
         self.setting = setting
+        self.epoch, self.base_draws = epoch, base_draws
         self._serve, self._release, self._shutdown = serve, release, shutdown
-        self.epoch = lambda: 0
-        self.base_draws = lambda: True
         self._carry: tuple[DataLoader, Iterator[Any]] | None = None
         # the generators' states before each epoch's order was drawn ahead, by epoch: what a drop puts back
         self._saved: dict[int, list[tuple[torch.Generator, torch.Tensor]]] = {}
@@ -166,5 +168,4 @@ class Seamless:
             for g, state in self._saved[min(self._saved)]:  # as before the first order drawn ahead
                 g.set_state(state)
         self._saved = {}
-        if getattr(loader, "_iterator", None) is not inner:  # a persistent loader resets its own at the next epoch
-            self._shutdown(inner)
+        self._shutdown(loader, inner)  # a persistent loader's own iterator is reset at the next epoch instead
