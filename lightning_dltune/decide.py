@@ -665,9 +665,21 @@ def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: P
     """The first window of a cache hit: settle on the cached settings if they still hold, else ``None`` (then
     tuning goes on from them). They hold when the stall is below ``stall_threshold`` and they fit the budget
     of this run; a throughput like the cached one is not enough (a cached config that always stalled would
-    pass for good)."""
+    pass for good). A config that settled just under the threshold measures just over it about half the
+    time, so the threshold is raised by ``noise_floor`` for an entry that settled under it when this window
+    keeps its throughput (within ``min_gain``): tuning would otherwise start again on noise."""
     s, settings = trial.stats, trial.settings
-    if not trial.usable or s.effective_stall_frac > policy.stall_threshold:
+    limit = policy.stall_threshold
+    cached_stall, cached_rate = entry.get("stall_frac"), entry.get("samples_per_s")
+    if (
+        isinstance(cached_stall, (int, float))
+        and isinstance(cached_rate, (int, float))
+        and cached_stall <= policy.stall_threshold
+        and cached_rate > 0
+        and s.samples_per_s >= (1 - policy.min_gain) * cached_rate
+    ):
+        limit += policy.noise_floor
+    if not trial.usable or s.effective_stall_frac > limit:
         return None
     if settings.num_workers > budget.max_workers or (settings.prefetch_factor or 0) > budget.max_prefetch:
         return None

@@ -51,13 +51,14 @@ def fit(tmp_path, tuner, epochs=3, latency_ms=10.0, step_ms=20):
 
 
 def test_second_run_starts_from_the_cached_settings_and_only_verifies_them(tmp_path):
-    # 64 ms to load a batch, a 60 ms step: a few workers hide it, and the ~1 ms a batch takes to cross from a
-    # worker is 2% of the step, well under the 5% threshold; so the settled config is under it again in the
-    # second run (a cached config must be, to be verified; one still stalling is tuned further, tested below)
-    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), latency_ms=4.0, step_ms=60)
+    # about 70 ms to load a batch, an 80 ms step: two workers hide it. What is left is the 3-4 ms a batch takes
+    # to cross from a worker, near the 5% threshold (CI measured 4.5%, then 5.9% in the second run at the same
+    # throughput); verification tolerates that noise (test_decide), a cached config that still stalls is tuned
+    # further (tested below)
+    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), latency_ms=4.0, step_ms=80)
     assert first.phase == "settled" and first.best_settings["num_workers"] > 0 and not first.cache_hit
 
-    second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=2, latency_ms=4.0, step_ms=60)
+    second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=2, latency_ms=4.0, step_ms=80)
     assert second.cache_hit
     assert second.trials[0].settings.to_loader_kwargs() == first.best_settings  # from its first epoch
     assert len(second.trials) == 1 and "cached settings verified" in second.trials[0].decision

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best
+from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best, verify_cached
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.memory import MiB
 from lightning_dltune.settings import LoaderSettings
@@ -285,3 +285,40 @@ def test_restart_cost_is_measured_per_worker_on_earlier_trials():
     assert decide(history, BUDGET, remaining_steps=200).action == "try"
     held = decide(history, BUDGET, remaining_steps=100)
     assert held.action == "hold" and held.settings == cfg(16) and "less than the 3.20 s" in held.reason
+
+
+def rate(t):
+    return t.stats.samples_per_s
+
+
+@pytest.mark.parametrize(
+    "entry, window, verified",
+    [
+        # under the threshold: verified whatever the entry says
+        ({}, trial(2, 2.0, 60.0), True),
+        # settled at 4.5%, now 5.9% at the same throughput: noise around the threshold, not a stale config
+        ("settled 4.5%", trial(2, 4.0, 64.0), True),
+        # ... but not without a recorded throughput, nor when the throughput fell
+        ({"stall_frac": 0.045}, trial(2, 4.0, 64.0), False),
+        ("settled 4.5%, faster then", trial(2, 4.0, 64.0), False),
+        # an entry that settled stalling is held to the threshold (the stale-config case)
+        ("settled 20%", trial(2, 4.0, 64.0), False),
+        # the tolerance is the noise floor, not more
+        ("settled 4.5%", trial(2, 8.0, 64.0), False),
+    ],
+)
+def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, verified):
+    same = rate(window)
+    entry = (
+        {
+            "settled 4.5%": {"stall_frac": 0.045, "samples_per_s": same},
+            "settled 4.5%, faster then": {"stall_frac": 0.045, "samples_per_s": same * 1.2},
+            "settled 20%": {"stall_frac": 0.20, "samples_per_s": same},
+        }[entry]
+        if isinstance(entry, str)
+        else entry
+    )
+    got = verify_cached(entry, Trial(window.settings, window.stats), BUDGET, Policy())
+    assert (got is not None) == verified
+    if verified:
+        assert got.action == "settle" and "cached settings verified" in got.reason
