@@ -336,7 +336,11 @@ class DataLoaderTuner(Callback):
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
-            self.switcher.switch(change.settings, now, is_last_epoch(trainer), everywhere=bool(failures))
+            behind = not self.agreement.distributed and change.failed is None  # one process: no step to agree on
+            behind = behind and self.state.starts_behind(
+                change.settings, self.probe.held_bytes(self.state.current), self.probe.batch_bytes, budget.memory_bytes
+            )
+            self.switcher.switch(change.settings, now, is_last_epoch(trainer), bool(failures), behind)
         if decision is not None and self.state.done:
             self._tuning_ended(trainer)
 

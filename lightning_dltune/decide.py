@@ -453,6 +453,24 @@ def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Polic
     return (max(per_worker) if per_worker else policy.startup_prior_s) * max(1, workers)
 
 
+def handover_lead(trials: Sequence[Trial], settings: LoaderSettings, policy: Policy = Policy()) -> int:
+    """Batches the running loader serves while ``settings``' loader starts in the background (#13): as many as
+    fit in the new loader's time to its first batch (its start-up, ``restart_cost_s``, and one batch's
+    production), at the running config's time per step. Rounded down: a lead too short only waits for the rest
+    at the hand-over, as a switch in the open waits for all of it, while a lead too long keeps the slower config
+    after the faster one was ready. 0: nothing to gain (take over at once)."""
+    usable = [t for t in trials if t.usable]
+    if not usable:
+        return 0
+    s, workers = usable[-1].stats, usable[-1].settings.num_workers
+    wall = s.mean_wall_s
+    if wall <= 0:
+        return 0
+    batch = s.mean_wait_s if workers == 0 else workers * wall
+    ready = restart_cost_s(trials, settings.num_workers, policy) + batch
+    return max(0, min(64, math.floor(ready / wall)))
+
+
 def _wasted(
     trials: Sequence[Trial], cand: LoaderSettings, gain_s: float, remaining: int | None, policy: Policy
 ) -> str | None:

@@ -76,6 +76,9 @@ class LoaderSwitcher:
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
         self._pending: LoaderSettings | None = None
+        self._behind = False  # the pending switch may start its loader in the background (see `switch`)
+        self.behind = 0  # switches whose loader started in the background
+        self._built: dict[int, LoaderSettings] = {}  # id(loader) -> settings, for loaders built by a switch
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
@@ -102,6 +105,7 @@ class LoaderSwitcher:
 
     def restore(self) -> None:
         """Undo :meth:`install`; safe to call twice."""
+        self._abandon()
         self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
@@ -240,15 +244,19 @@ class LoaderSwitcher:
         if settings is not None and isinstance(datamodule, TunableDataModuleMixin):
             datamodule.loader_settings = settings
 
-    def switch(self, settings: LoaderSettings, now: bool, last_epoch: bool, everywhere: bool = False) -> None:
+    def switch(
+        self, settings: LoaderSettings, now: bool, last_epoch: bool, everywhere: bool = False, behind: bool = False
+    ) -> None:
         """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them).
-        ``everywhere``: reload at the next epoch even if this rank is on them already, as the other ranks do."""
+        ``everywhere``: reload at the next epoch even if this rank is on them already, as the other ranks do.
+        ``behind``: the new loader may start in the background while the running one serves a few more batches
+        (both worker sets are alive for a while: the caller checked they fit)."""
         assert self.trainer is not None
         self.aim(settings)
         if settings == self.state.current and not (everywhere and not now):
             self._pending, self._reload = None, False
         elif now:
-            self._pending = settings
+            self._pending, self._behind = settings, behind
         elif not last_epoch:
             self._reload = True  # at the epoch's end: tearing the loader down now would end this epoch early
 
@@ -271,6 +279,8 @@ class LoaderSwitcher:
         judged = self.state.tuning and self.probe.window_batches == 0
         if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
             self.switch(deferred, now=False, last_epoch=last_epoch)
+        if not last_epoch:
+            self._abandon()  # the epoch ended before a background start took over: the next epoch switches
         go_on = not (self._reload or last_epoch or self._pending is not None)
         if self.trainer is not None:
             self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
@@ -303,25 +313,67 @@ class LoaderSwitcher:
             _lightning.worker_died,
             self._startup_failed,
             _lightning.shutdown_iterator,
+            self._lead,
+            self._adopt,
+            self._overlapping,
         )
+
+    def _overlapping(self, new: DataLoader) -> None:
+        self.behind += 1
+        self.probe.overlap_started()
 
     def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
         if self._pending is None:
             return None
         settings, self._pending = self._pending, None
-        self.probe.rebuilt_in_fetch()
-        return self._replace(loader, settings)
+        return self._build(loader, settings)
 
-    def _replace(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
-        assert self.trainer is not None
+    def _build(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
+        """``loader`` rebuilt with ``settings``; it serves once the guard adopts it (see :meth:`_adopt`)."""
         with _lightning.recording():
             new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
         self.seamless.attach(new)
-        _lightning.shutdown_workers(loader)
-        _lightning.replace_train_loader(self.trainer, new)
-        self.state.current = settings
-        self._fresh = True
+        self._built = {id(new): settings}
         return new
+
+    def _lead(self, new: DataLoader) -> tuple[int, int] | None:
+        """How far ahead a background start of ``new`` hands over (``GuardedIterator``'s ``ahead``): enough
+        batches of the running loader to cover the new one's measured start-up, and before the epoch's last
+        batch (``limit_train_batches`` included). ``None``: it takes over at once; so does a loader with its own
+        state (a ``StatefulDataLoader``): the state Lightning saves is the serving loader's."""
+        behind, self._behind = self._behind, False
+        settings = self._built.get(id(new))
+        if not behind or settings is None or self.trainer is None or callable(getattr(new, "state_dict", None)):
+            return None
+        end = self.trainer.num_training_batches
+        if not isinstance(end, int):
+            return None
+        return self.state.handover_lead(settings), end
+
+    def _adopt(self, old: DataLoader, new: DataLoader) -> None:
+        """``new`` serves from this fetch on: the old loader's workers stop, Lightning trains on ``new``, and this
+        fetch's wait (with a background start's extra time) is ``new``'s start-up."""
+        assert self.trainer is not None
+        _lightning.shutdown_workers(old)
+        _lightning.replace_train_loader(self.trainer, new)
+        self.state.current = self._built.pop(id(new))
+        self._fresh = True
+        self.probe.rebuilt_in_fetch()
+
+    @property
+    def starting(self) -> LoaderSettings | None:
+        """The settings of a loader starting in the background, until it takes over (``None``: none)."""
+        guard = _lightning.train_iterator(self.trainer) if self.trainer is not None else None
+        new = guard.next[0] if isinstance(guard, GuardedIterator) and guard.next is not None else None
+        return None if new is None else self._built.get(id(new))
+
+    def _abandon(self) -> None:
+        """Stop a background start that has not taken over; its switch happens at the next fetch instead."""
+        guard = _lightning.train_iterator(self.trainer) if self.trainer is not None else None
+        new = guard.abandon() if isinstance(guard, GuardedIterator) else None
+        if new is not None:
+            self._pending = self._built.pop(id(new), None)
+            self.probe.overlap_ended()
 
     # --- failures -------------------------------------------------------------------------------------------
     def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
@@ -353,8 +405,7 @@ class LoaderSwitcher:
             f"at batch {position}: no sample lost or repeated. {failed.describe()} will not be used again.",
             every_rank=True,
         )
-        self.probe.rebuilt_in_fetch()
-        return self._replace(loader, fallback)
+        return self._build(loader, fallback)
 
     # --- the random state and the epoch's position ----------------------------------------------------------
     def _keep_rng_as_untuned(self) -> None:

@@ -268,6 +268,10 @@ class StepTimer:
         self._requested_at: float | None = None
         self._first_after_build = False
         self._batches = 0  # every step of the window, start-up steps included
+        # a background start (see `overlap_started`): the running config's steps until the hand-over, their wall
+        # time and count; and that config's mean wall per step, from the last window taken
+        self._overlap: list[float] | None = None
+        self._last_mean_wall = 0.0
         self._clear_gap()
 
     def _clear_gap(self) -> None:
@@ -285,8 +289,23 @@ class StepTimer:
         self._requested_at = self._clock()
 
     def rebuilt_in_fetch(self) -> None:
-        """The loader was replaced inside the current fetch: this step is start-up cost, not steady state."""
+        """The loader was replaced inside the current fetch: this step is start-up cost, not steady state. After
+        a background start, so is the time its overlap steps took beyond the old config's pace."""
         self._first_after_build = True
+        if self._overlap is not None:
+            (wall, steps), self._overlap = self._overlap, None
+            extra = max(0.0, wall - steps * self._last_mean_wall)
+            self._window.startup += extra
+            self._log.startup += extra
+
+    def overlap_started(self) -> None:
+        """A new loader starts in the background; the steps until it takes over (:meth:`rebuilt_in_fetch`) are
+        the old config's, left out of the window (it was judged already)."""
+        self._overlap = [0.0, 0]
+
+    def overlap_ended(self) -> None:
+        """The background start was abandoned: its steps stay out of the window, nothing is charged."""
+        self._overlap = None
 
     def epoch_started(self) -> None:
         now = self._clock()
@@ -346,6 +365,10 @@ class StepTimer:
             self._window.startup += wait + other
             self._log.startup += wait + other
             self._first_after_build = False
+        elif self._overlap is not None:  # the old config's, while a new loader starts behind it: logged only
+            self._overlap[0] += wait + step + other
+            self._overlap[1] += 1
+            self._log.add(wait, step, other, samples, self._fetch_cpu)
         else:
             self._window.add(wait, step, other, samples, self._fetch_cpu)
             self._log.add(wait, step, other, samples, self._fetch_cpu)
@@ -354,8 +377,9 @@ class StepTimer:
 
     @property
     def steady(self) -> bool:
-        """Whether the step about to run counts as steady state (it is not the first after a loader build)."""
-        return not self._first_after_build
+        """Whether the step about to run counts as steady state (it is not the first after a loader build, nor
+        the old config's while a new loader starts behind it)."""
+        return not self._first_after_build and self._overlap is None
 
     # --- windows ----------------------------------------------------------------------------------------------
     @property
@@ -373,6 +397,8 @@ class StepTimer:
 
     def take_window(self) -> WindowStats:
         stats = self._window.stats()
+        if stats.steps:
+            self._last_mean_wall = stats.mean_wall_s
         self._window.reset()
         self._batches = 0
         return stats

@@ -113,6 +113,17 @@ def safe_workers(ceiling: float, budget_bytes: float, in_flight_bytes: float) ->
     return int(budget_bytes // per) if per > 0 else 0
 
 
+def fits_beside(
+    running_bytes: float, mem: WorkerMemory, workers: int, in_flight_bytes: float, budget_bytes: float | None
+) -> bool:
+    """Whether ``workers`` new workers, each holding ``mem``'s base and its batches in flight, fit the budget
+    beside the running ones' ``running_bytes`` (their batches in flight included): both sets are alive for the
+    few batches a background start overlaps them."""
+    if budget_bytes is None:
+        return True
+    return running_bytes + workers * (mem.base_bytes + in_flight_bytes) <= budget_bytes
+
+
 def over_budget(total_uss: float, workers: int, in_flight_bytes: float, budget_bytes: float | None) -> bool:
     """Whether the measured workers (and their batches in flight) hold more than the budget."""
     if budget_bytes is None or workers <= 0 or total_uss <= 0:

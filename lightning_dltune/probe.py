@@ -208,6 +208,12 @@ class Probe:
     def rebuilt_in_fetch(self) -> None:
         self.timer.rebuilt_in_fetch()
 
+    def overlap_started(self) -> None:
+        self.timer.overlap_started()
+
+    def overlap_ended(self) -> None:
+        self.timer.overlap_ended()
+
     def epoch_started(self, batches: float = 0.0) -> None:
         """An epoch of ``batches`` batches begins (0: unknown)."""
         self.epoch_batches = float(batches)
@@ -279,6 +285,19 @@ class Probe:
         """The memory part of a window once tuning ended (the budget is still held); starts the next."""
         mem = self.memory.take()
         return WindowStats().with_memory(mem, self._known_batch_bytes, self._footprint(), self.epoch_batches)
+
+    @property
+    def batch_bytes(self) -> float:
+        """The last batch's tensor bytes (0 before one was measured)."""
+        return self._known_batch_bytes
+
+    def held_bytes(self, settings: Any) -> float:
+        """What the running workers hold at their latest reading, their batches in flight included (0: none)."""
+        latest = self.memory.latest
+        if latest is None or settings is None:
+            return 0.0
+        flight = in_flight_bytes(self._known_batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        return latest.total_bytes + latest.workers * flight
 
     def over_budget(self, settings: Any, budget_bytes: float | None) -> bool:
         """Whether the workers' latest reading, with their batches in flight, is over ``budget_bytes``."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
+from lightning_dltune import memory
 from lightning_dltune.decide import (
     Budget,
     Decision,
@@ -29,10 +30,12 @@ from lightning_dltune.decide import (
     decide,
     diagnose,
     enforce_memory,
+    handover_lead,
     judged_early,
     pick_best,
     plainly_input_bound,
     verify_cached,
+    worker_memory,
 )
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.report import trial_from_dict, trial_to_dict
@@ -186,6 +189,23 @@ class TuningState:
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
+
+    def handover_lead(self, settings: LoaderSettings) -> int:
+        """Batches the running config serves while ``settings``' loader starts behind it (``decide.handover_lead``)."""
+        return handover_lead(self.trials, settings, self.policy)
+
+    def starts_behind(
+        self, settings: LoaderSettings, running_bytes: float, batch_bytes: float, budget_bytes: float | None
+    ) -> bool:
+        """Whether ``settings``' loader may start in the background while the running one serves (#13): it adds
+        workers (a switch down, for memory or to a cheaper config, stops the old workers first), and both worker
+        sets fit the memory budget together (the new ones at the base a worker was measured at, or the prior)."""
+        current = self.current
+        if current is None or settings.num_workers <= current.num_workers:
+            return False
+        mem, _ = worker_memory(self.trials, self.policy)
+        flight = memory.in_flight_bytes(batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        return memory.fits_beside(running_bytes, mem, settings.num_workers, flight, budget_bytes)
 
     def apply(
         self,

@@ -24,6 +24,18 @@ import torch
 from torch.utils.data import BatchSampler
 
 
+class Iteration:
+    """Where one iteration of a :class:`ResumableBatchSampler` is: ``next``, the batch of epoch ``epoch_no`` it
+    yields next (a loader's workers are handed batches ahead of the loop: everything before ``next`` is in
+    flight or delivered); ``stop``, where it ends early (``None``: at the epoch's end)."""
+
+    __slots__ = ("epoch_no", "next", "stop")
+
+    def __init__(self) -> None:
+        self.epoch_no, self.next = -1, 0
+        self.stop: int | None = None
+
+
 class ResumableBatchSampler(BatchSampler):
     """A ``BatchSampler`` whose current epoch can be resumed at any batch.
 
@@ -49,6 +61,7 @@ class ResumableBatchSampler(BatchSampler):
         self._before_draw: Callable[[int], None] = lambda ahead: None
         self._epoch_no = 0  # the number of the epoch `_order` belongs to (counted by this sampler)
         self._upcoming: dict[int, array] = {}
+        self.live = Iteration()  # the latest iteration: how far it has yielded, where it is cut (see `cut`)
 
     def __iter__(self) -> Iterator[list[int]]:
         # known as soon as the iterator is asked for; the resume itself is taken when the first batch is drawn,
@@ -57,9 +70,10 @@ class ResumableBatchSampler(BatchSampler):
             self.offset = self._resume_epoch[1]
         else:
             self.offset = self._resume if self._resume is not None and self._order is not None else 0
-        return self._batches()
+        self.live = Iteration()
+        return self._batches(self.live)
 
-    def _batches(self) -> Iterator[list[int]]:
+    def _batches(self, it: Iteration) -> Iterator[list[int]]:
         start, self._resume = self._resume, None
         if self._resume_epoch is not None:  # a new epoch's order, drawn for that epoch, resumed part-way
             (epoch, start), self._resume_epoch = self._resume_epoch, None
@@ -73,13 +87,26 @@ class ResumableBatchSampler(BatchSampler):
         n = len(self)
         bs = self.batch_size
         while True:
+            it.epoch_no, it.next = epoch_no, start
             for b in range(start, n):
+                if it.stop is not None and b >= it.stop:
+                    return
+                it.next = b + 1
                 yield order[b * bs : (b + 1) * bs].tolist()
-            if not self.seamless:
+            if not self.seamless or it.stop is not None:
                 return
             # the next epoch's first batches, while this one's last are consumed: the workers never run dry
             epoch_no, start = epoch_no + 1, 0
             order = self._order_for(epoch_no)
+
+    def cut(self, it: Iteration, at: int) -> bool:
+        """End iteration ``it`` at batch ``at`` of the current epoch (it yields nothing from there on), so that
+        another iteration resumed at ``at`` takes over. False when ``it`` has already yielded beyond ``at`` or
+        left the current epoch."""
+        if it.epoch_no != self._epoch_no or it.next > at or not 0 <= at <= len(self):
+            return False
+        it.stop = at
+        return True
 
     def _order_for(self, epoch_no: int) -> array:
         """Epoch ``epoch_no``'s order: drawn once (the first iteration to reach it draws it), kept until used."""
@@ -161,18 +188,32 @@ def is_worker_death(error: BaseException, worker_dead: bool = False) -> bool:
 class GuardedIterator(Iterator[Any]):
     """The iterator the training loop pulls train batches from, able to change loaders between fetches.
 
+    A replacement either takes over at once (the old workers stop, the new ones start, and the loop waits for the
+    new loader's first batch), or in the background: the new loader's iterator starts at a hand-over batch ``h``
+    a little ahead of the loop while the old one goes on serving the batches before ``h`` (its iteration of the
+    batch sampler is cut there: it is handed no batch from ``h`` on), and at ``h`` the old workers stop and the
+    new iterator, started at ``h``, serves the rest. Either way every batch of the epoch is delivered once, in
+    order.
+
     Args:
         loader: the current ``DataLoader`` (its batch sampler is a :class:`ResumableBatchSampler`).
         inner: the iterator of ``loader`` the loop was using.
         replace: ``replace(loader) -> new_loader | None`` is asked before every fetch; a loader it returns
-            takes over at the current position.
+            takes over at the current position, or in the background (see ``ahead``).
         on_death: ``on_death(error, loader, position) -> new_loader | None`` is asked when a worker died;
             ``None`` re-raises the error.
         prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
         worker_dead: whether one of an inner iterator's worker processes has died.
         on_error: ``on_error(error, loader, position) -> new_loader | None`` for any other error of a fetch.
         close: stops an inner iterator's workers; called on the old one before a new one starts, so two worker
-            sets are never alive at once (an OOM recovery must not OOM again).
+            sets are never alive at once (an OOM recovery must not OOM again), except for a background start.
+        ahead: ``ahead(new) -> (lead, end) | None``: start ``new`` (a loader ``replace`` returned) in the
+            background, handing over ``lead`` batches after those the old loader has already been handed, and
+            before batch ``end``; ``None``: take over at once. Replacements after a failure always take over at
+            once.
+        adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
+        overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are
+            still the old loader's).
     """
 
     def __init__(
@@ -185,6 +226,9 @@ class GuardedIterator(Iterator[Any]):
         worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False,
         on_error: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None,
         close: Callable[[Iterator[Any]], None] = lambda it: None,
+        ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None,
+        adopt: Callable[[Any, Any], None] = lambda old, new: None,
+        overlap: Callable[[Any], None] = lambda new: None,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -196,14 +240,19 @@ class GuardedIterator(Iterator[Any]):
         self._worker_dead = worker_dead
         self._on_error = on_error
         self._close = close
+        self._ahead, self._adopt, self._overlap = ahead, adopt, overlap
+        self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
+        self.handed_over = 0  # background starts that took over
         prepare(inner)
 
     def __next__(self) -> Any:
         sampler = self.loader.batch_sampler
         if sampler.seamless and self.position >= len(sampler):  # the inner one goes on into the next epoch
             raise StopIteration
+        if self.next is not None and self.position >= self.next[2]:
+            self._hand_over()
         new = self._replace(self.loader)
-        if new is not None:
+        if new is not None and not self._start_behind(new):
             self._switch(new)
         while True:
             try:
@@ -211,6 +260,7 @@ class GuardedIterator(Iterator[Any]):
             except StopIteration:
                 raise
             except Exception as ex:
+                self.abandon()  # a recovery stops every worker first
                 if is_worker_death(ex, self._worker_dead(self.inner)):
                     new = self._on_death(ex, self.loader, self.position)
                 else:
@@ -222,12 +272,54 @@ class GuardedIterator(Iterator[Any]):
             self.position += 1
             return batch
 
+    def _start_behind(self, new: Any) -> bool:
+        """Start ``new`` in the background, when ``ahead`` allows it and the old iteration can be cut ahead."""
+        plan = self._ahead(new)
+        sampler = self.loader.batch_sampler
+        if plan is None or self.next is not None or new.batch_sampler is not sampler:
+            return False
+        lead, end = plan
+        live = sampler.live
+        at = min(max(live.next, self.position) + lead, end - 1, len(sampler) - 1)
+        if at <= self.position or not sampler.cut(live, at):
+            return False
+        sampler.resume_at(at)
+        inner = self._start(new)
+        self.next = (new, inner, at)
+        self._overlap(new)
+        return True
+
+    def _hand_over(self) -> None:
+        assert self.next is not None
+        new, inner, _ = self.next
+        self.next = None
+        self._close(self.inner)
+        self._adopt(self.loader, new)
+        self.loader, self.inner = new, inner
+        self.handed_over += 1
+
+    def abandon(self) -> Any:
+        """Stop a background start that has not taken over (on a failure, or when the epoch ended before the
+        hand-over); returns its loader, or ``None`` when there was none. The old loader's iteration stays cut:
+        it must not serve past the hand-over batch (a recovery resumes at the loop's position)."""
+        if self.next is None:
+            return None
+        new, inner, _ = self.next
+        self.next = None
+        self._close(inner)
+        return new
+
     def _switch(self, new: Any) -> None:
         sampler = new.batch_sampler
         if not isinstance(sampler, ResumableBatchSampler):
             raise TypeError("a replacement loader must keep the ResumableBatchSampler of the epoch")
         sampler.resume_at(self.position)
+        self.abandon()  # a later decision (a switch down for memory) replaces a background start
         self._close(self.inner)
+        self._adopt(self.loader, new)
+        self.loader, self.inner = new, self._start(new)
+
+    def _start(self, new: Any) -> Iterator[Any]:
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
         # state: a run that never switched makes no such draw in the middle of an epoch. The draw is taken from the
         # global state here, which fork_rng puts back; the generator keeps only what the sampler draws (with
@@ -240,4 +332,4 @@ class GuardedIterator(Iterator[Any]):
         finally:
             new.generator = generator
         self._prepare(inner)
-        self.loader, self.inner = new, inner
+        return inner

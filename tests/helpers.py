@@ -23,7 +23,8 @@ def live_children(process: psutil.Process | None = None, recursive: bool = True)
 
 
 class EpochClock(pl.Callback):
-    """Wall time of each training epoch, and how many worker processes ran mid-epoch."""
+    """Wall time of each training epoch, and how many worker processes ran mid-epoch against how many the
+    tuner's loaders should have (the running one's, and a background start's until it takes over)."""
 
     def __init__(self, tuner: DataLoaderTuner | None = None) -> None:
         self.tuner = tuner
@@ -35,7 +36,9 @@ class EpochClock(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 4 and self.tuner is not None and self.tuner.state.current is not None:
-            self.children.append((len(live_children()), self.tuner.state.current.num_workers))
+            starting = self.tuner.switcher.starting  # a loader starting in the background: both sets are alive
+            workers = self.tuner.state.current.num_workers + (starting.num_workers if starting else 0)
+            self.children.append((len(live_children()), workers))
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.durations.append(time.perf_counter() - self._t0)

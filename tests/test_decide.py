@@ -322,3 +322,27 @@ def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, 
     assert (got is not None) == verified
     if verified:
         assert got.action == "settle" and "cached settings verified" in got.reason
+
+
+@pytest.mark.parametrize(
+    ("running", "earlier", "workers", "lead"),
+    [
+        # 0 workers, 340 ms a step (320 ms loading): 8 workers start in 0.4 s (the prior) and load a batch in
+        # 0.32 s: 2 steps fit in those 0.72 s, rounded down
+        (trial(0, 320.0, 20.0), [], 8, 2),
+        # a start-up measured at 0.1 s a worker on an earlier switch: 1.6 s + 0.32 s = 5 steps
+        (trial(0, 320.0, 20.0), [trial(2, 50.0, 20.0)], 16, 5),
+        # a fast loop (12 ms a step) on 2 workers: 0.2 s + 2 x 12 ms = 18 steps
+        (trial(2, 2.0, 10.0), [], 4, 18),
+        # capped: never more than 64 steps of the slower config
+        (trial(2, 0.0, 1.0), [], 16, 64),
+    ],
+)
+def test_handover_lead_is_what_fits_in_the_new_loaders_time_to_its_first_batch(running, earlier, workers, lead):
+    from dataclasses import replace
+
+    from lightning_dltune.decide import handover_lead
+
+    earlier = [Trial(t.settings, replace(t.stats, startup_s=0.2)) for t in earlier]
+    assert handover_lead([*earlier, running], cfg(workers)) == lead
+    assert handover_lead([], cfg(workers)) == 0  # nothing measured: take over at once

@@ -1,5 +1,6 @@
 import os
 import signal
+from itertools import pairwise
 
 import lightning.pytorch as pl
 import psutil
@@ -224,7 +225,23 @@ class CountWorkersAtStart:
             fh.write(f"{len(alive)}\n")
 
 
-def test_an_in_epoch_switch_stops_the_old_workers_before_the_new_ones_start(tmp_path):
+class ChildrenPerBatch(pl.Callback):
+    """At every batch: live worker processes against the tuner's loaders' (the serving one's, and a background
+    start's until it takes over)."""
+
+    def __init__(self, tuner):
+        self.tuner, self.seen = tuner, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        starting = self.tuner.switcher.starting
+        expected = self.tuner.state.current.num_workers + (starting.num_workers if starting else 0)
+        self.seen.append((len(live_children()), expected))
+
+
+def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tmp_path):
+    """A switch up starts the new workers beside the old ones (a background start), a switch down stops the old
+    ones first; either way no worker outlives its loader, also for a non-persistent iterator, which its loader
+    does not hold."""
     counts = tmp_path / "counts.txt"
 
     class M(SimulatedModel):
@@ -238,8 +255,12 @@ def test_an_in_epoch_switch_stops_the_old_workers_before_the_new_ones_start(tmp_
             )
 
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
-    make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(M(step_ms=1))
+    children = ChildrenPerBatch(tuner)
+    make_trainer(tmp_path, [tuner, children], max_epochs=1, logger=False).fit(M(step_ms=1))
     configs = [t.settings.num_workers for t in tuner.trials]
     assert len(set(configs)) >= 2, tuner.trials  # it switched inside the epoch
     seen = [int(n) for n in counts.read_text().split()]
-    assert max(seen) <= max(configs), seen  # never the old workers and the new ones together
+    # as each worker starts: the old set beside it only when the switch adds workers
+    beside = [b + (a if b > a else 0) for a, b in pairwise(configs)]
+    assert max(seen) <= max([configs[0], *beside]), (seen, configs)
+    assert all(alive == expected for alive, expected in children.seen), children.seen

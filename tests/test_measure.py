@@ -118,3 +118,38 @@ def test_stats_round_trip_through_a_dict():
     d = s.to_dict()
     assert d["stall_frac"] == 0.5 and d["samples_per_s"] == 24.0
     assert WindowStats.from_dict(d) == s
+
+
+def test_a_background_start_is_charged_its_overlap_beyond_the_old_pace_and_the_hand_over_wait(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.030, 0.0, 0.010, 0.0)] * 4)  # the old config: 40 ms a step
+    assert timer.take_window().mean_wall_s == pytest.approx(0.040)
+    timer.overlap_started()
+    assert not timer.steady  # the old config's steps while the new loader starts: out of the window
+    run_steps(timer, clock, [(0.040, 0.0, 0.010, 0.0)] * 3)  # starting workers slow it: 50 ms a step
+    timer.fetch_started()
+    timer.rebuilt_in_fetch()  # the hand-over, in the fetch: its wait is start-up too
+    clock.advance(0.020)
+    timer.fetch_ended()
+    timer.step_started()
+    clock.advance(0.010)
+    timer.step_ended(8)
+    run_steps(timer, clock, [(0.001, 0.0, 0.010, 0.0)] * 2)  # the new config, steady
+    s = timer.take_window()
+    assert s.steps == 2 and s.wait_s == pytest.approx(0.002)
+    assert s.startup_s == pytest.approx(3 * 0.010 + 0.020)  # 10 ms a step beyond the old pace, and the wait
+    assert timer.take_log_window().steps == 4 + 3 + 2  # every served step is logged, but the hand-over's
+
+
+def test_an_abandoned_background_start_charges_nothing(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.030, 0.0, 0.010, 0.0)] * 4)
+    timer.take_window()
+    timer.overlap_started()
+    run_steps(timer, clock, [(0.040, 0.0, 0.010, 0.0)] * 3)
+    timer.overlap_ended()
+    run_steps(timer, clock, [(0.030, 0.0, 0.010, 0.0)] * 2)
+    s = timer.take_window()
+    assert s.steps == 2 and s.startup_s == 0.0

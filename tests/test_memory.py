@@ -196,3 +196,18 @@ def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # 1 s: 10% of a CPU
     watch._read_s = 0.005
     assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s
+
+
+@pytest.mark.parametrize(
+    ("running", "workers", "budget", "fits"),
+    [
+        (100, 4, None, True),  # no budget
+        (100, 4, 100 + 4 * (50 + 10), True),  # exactly fits: the new ones at their base, with their batches
+        (100, 4, 100 + 4 * (50 + 10) - 1, False),
+        (0, 8, 400, False),  # 8 new workers alone do not fit
+    ],
+)
+def test_a_background_start_must_fit_beside_the_running_workers(running, workers, budget, fits):
+    from lightning_dltune.memory import WorkerMemory, fits_beside
+
+    assert fits_beside(running, WorkerMemory(base_bytes=50, growth_bytes=5), workers, 10, budget) is fits

@@ -1,0 +1,150 @@
+"""Background starts (#13, part 2): the next loader starts while the running one serves, and takes over at a
+hand-over batch, with every batch of the epoch delivered once, in order."""
+
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.synthetic import SyntheticDataset
+
+from helpers import live_children, make_trainer
+
+
+class WhoLoads(Dataset):
+    """Each sample is its index and the worker count of the loader that loaded it (0: the main process)."""
+
+    def __init__(self, n=96, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        workers = 0 if info is None else info.num_workers
+        if i == self.fail_at and workers == 1:
+            raise RuntimeError(f"cannot read sample {i}")
+        time.sleep(0.002)
+        return torch.tensor([i, workers])
+
+
+def slow_start(worker_id):
+    time.sleep(0.6)  # a worker that takes long to start (imports, a remote file system)
+
+
+def loaders(sampler, dataset, generator=None, new_init=None):
+    old = DataLoader(dataset, batch_sampler=sampler, num_workers=1, prefetch_factor=2, generator=generator)
+    new = DataLoader(dataset, batch_sampler=sampler, num_workers=2, worker_init_fn=new_init, generator=generator)
+    return old, new
+
+
+def served(batches):
+    """(indices in the order delivered, the worker count of the loader that served each batch)."""
+    indices = [int(i) for b in batches for i in b[:, 0]]
+    by = [int(b[0, 1]) for b in batches]
+    return indices, by
+
+
+def shut(*its):
+    for it in its:
+        stop = getattr(it, "_shutdown_workers", None)
+        if stop is not None:
+            stop()
+
+
+def test_an_iteration_cut_at_a_batch_yields_nothing_from_there_and_another_resumes_there():
+    sampler = ResumableBatchSampler(range(40), 4, False)
+    old = iter(sampler)
+    first = [next(old) for _ in range(3)]
+    live = sampler.live
+    assert live.next == 3 and not sampler.cut(live, 2)  # batch 2 was handed out already
+    assert sampler.cut(live, 6) and not sampler.cut(live, 11)  # past the epoch's end
+    sampler.resume_at(6)
+    new = list(iter(sampler))
+    assert first + list(old) + new == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+
+
+@pytest.mark.parametrize("new_init", [None, slow_start], ids=["ready-in-time", "slow-to-start"])
+def test_a_background_start_hands_over_at_its_batch_with_the_exact_order(new_init):
+    g = torch.Generator().manual_seed(5)
+    dataset = WhoLoads()
+    sampler = ResumableBatchSampler(RandomSampler(dataset, generator=g), 8, False)
+    old, new = loaders(sampler, dataset, g, new_init)
+    starts = []
+    guard = GuardedIterator(
+        old,
+        iter(old),
+        lambda loader: new if loader is old and guard.position == 2 else None,
+        lambda *a: None,
+        lambda it: None,
+        close=shut,
+        ahead=lambda loader: (3, len(sampler)),
+        overlap=lambda loader: starts.append((guard.position, guard.next[2])),
+    )
+    indices, by = served(list(guard))
+    expected = torch.Generator().manual_seed(5)
+    torch.empty((), dtype=torch.int64).random_(generator=expected)  # the first iterator's base seed
+    assert indices == torch.randperm(len(dataset), generator=expected).tolist()  # each once, in the epoch's order
+
+    # the old loader (1 worker, 2 batches in flight at batch 2) serves 3 batches more than it was handed: to 7
+    assert starts == [(2, 7)] and guard.handed_over == 1 and guard.loader is new
+    assert by == [1] * 7 + [2] * (len(sampler) - 7)
+    shut(guard.inner)
+
+
+def test_a_failure_during_the_overlap_stops_the_new_workers_and_recovers_at_the_loop_position():
+    dataset = WhoLoads(fail_at=8 * 4)  # batch 4's first sample, when the 1-worker loader loads it
+    sampler = ResumableBatchSampler(range(len(dataset)), 8, False)
+    old, new = loaders(sampler, dataset)
+    fallback = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    recovered = []
+
+    def on_error(error, loader, position):
+        recovered.append((position, len(live_children()), "cannot read sample 32" in str(error)))
+        return fallback
+
+    guard = GuardedIterator(
+        old,
+        iter(old),
+        lambda loader: new if loader is old and guard.position == 1 else None,
+        lambda *a: None,
+        lambda it: None,
+        on_error=on_error,
+        close=shut,
+        ahead=lambda loader: (4, len(sampler)),
+    )
+    indices, by = served(list(guard))
+    assert indices == list(range(len(dataset)))  # nothing lost or repeated
+    # at batch 1 the old loader had been handed batches 1 and 2: it was to serve to batch 7, and failed at 4;
+    # the new loader's 2 workers were stopped first (the old one's worker is left for the recovery to stop)
+    assert recovered == [(4, 1, True)]
+    assert guard.next is None and guard.loader is fallback and guard.handed_over == 0
+    assert by[:4] == [1] * 4 and set(by[4:]) == {0}
+    shut(guard.inner)
+
+
+def fit(tmp_path, tuner, extra=()):
+    pl.seed_everything(7, workers=True)
+    record = EpochIndices()
+    # 40 ms to load a batch in the training process against a 1 ms step: plainly input-bound from the first steps
+    model = PlainModel(SyntheticDataset(length=480, latency_ms=5.0), step_ms=1)
+    make_trainer(tmp_path, [tuner, record, *extra], max_epochs=2, logger=False).fit(model)
+    return record.epochs
+
+
+def test_a_tuned_fit_starts_its_switches_in_the_background_on_the_exact_order(tmp_path):
+    """Default arguments: the first switch (from 0 workers, on one process) starts behind the running loader, and
+    the epochs are exactly those of an observe-only run."""
+    reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True))
+    tuner, workers = DataLoaderTuner(), WorkersPerBatch()
+    tuned = fit(tmp_path / "b", tuner, [workers])
+    assert tuned == reference
+    assert tuner.switcher.behind >= 1, tuner.trials
+    first = [w for e, w in workers.seen if e == 0]
+    assert first[0] == 0 and max(first) > 0
