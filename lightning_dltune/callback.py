@@ -328,6 +328,7 @@ class DataLoaderTuner(Callback):
     def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
         """Judge the window that just ended; ``done``: batches of this epoch already trained."""
         assert self.budget is not None
+        running = self.probe.held_bytes(self.state.current)  # before the window's close takes the readings
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
         stats, budget, decision = self.agreement.decide(
@@ -338,7 +339,7 @@ class DataLoaderTuner(Callback):
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             behind = not self.agreement.distributed and change.failed is None  # one process: no step to agree on
             behind = behind and self.state.starts_behind(
-                change.settings, self.probe.held_bytes(self.state.current), self.probe.batch_bytes, budget.memory_bytes
+                change.settings, running, self.probe.batch_bytes, budget.memory_bytes
             )
             self.switcher.switch(change.settings, now, is_last_epoch(trainer), bool(failures), behind)
         if decision is not None and self.state.done:

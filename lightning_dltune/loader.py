@@ -79,6 +79,7 @@ class LoaderSwitcher:
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
         self._built: dict[int, LoaderSettings] = {}  # id(loader) -> settings, for loaders built by a switch
+        self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
@@ -104,8 +105,10 @@ class LoaderSwitcher:
         ]
 
     def restore(self) -> None:
-        """Undo :meth:`install`; safe to call twice."""
+        """Undo :meth:`install`; safe to call twice. A background start still running is stopped (a fit that
+        ended before its hand-over), and no switch is left pending for another ``fit``."""
         self._abandon()
+        self._pending, self._behind, self._built, self._guarded = None, False, {}, None
         self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
@@ -279,8 +282,7 @@ class LoaderSwitcher:
         judged = self.state.tuning and self.probe.window_batches == 0
         if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
             self.switch(deferred, now=False, last_epoch=last_epoch)
-        if not last_epoch:
-            self._abandon()  # the epoch ended before a background start took over: the next epoch switches
+        self._abandon()  # the epoch ended before a background start took over: the next epoch switches
         go_on = not (self._reload or last_epoch or self._pending is not None)
         if self.trainer is not None:
             self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
@@ -304,7 +306,7 @@ class LoaderSwitcher:
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
         if isinstance(inner, GuardedIterator) or not resumable:
             return inner
-        return GuardedIterator(
+        self._guarded = GuardedIterator(
             loader,
             inner,
             self._switch_if_pending,
@@ -317,8 +319,12 @@ class LoaderSwitcher:
             self._adopt,
             self._overlapping,
         )
+        return self._guarded
 
-    def _overlapping(self, new: DataLoader) -> None:
+    def _overlapping(self, new: DataLoader | None) -> None:
+        if new is None:  # abandoned before it took over
+            self.probe.overlap_ended()
+            return
         self.behind += 1
         self.probe.overlap_started()
 
@@ -345,9 +351,12 @@ class LoaderSwitcher:
         settings = self._built.get(id(new))
         if not behind or settings is None or self.trainer is None or callable(getattr(new, "state_dict", None)):
             return None
-        end = self.trainer.num_training_batches
-        if not isinstance(end, int):
+        end, guard = self.trainer.num_training_batches, self._guarded
+        if not isinstance(end, int) or guard is None:
             return None
+        left = remaining_steps(self.trainer, guard.position)  # `max_steps` may end the fit inside this epoch
+        if left is not None:
+            end = min(end, guard.position + left)
         return self.state.handover_lead(settings), end
 
     def _adopt(self, old: DataLoader, new: DataLoader) -> None:
@@ -363,17 +372,17 @@ class LoaderSwitcher:
     @property
     def starting(self) -> LoaderSettings | None:
         """The settings of a loader starting in the background, until it takes over (``None``: none)."""
-        guard = _lightning.train_iterator(self.trainer) if self.trainer is not None else None
-        new = guard.next[0] if isinstance(guard, GuardedIterator) and guard.next is not None else None
+        guard = self._guarded
+        new = guard.next[0] if guard is not None and guard.next is not None else None
         return None if new is None else self._built.get(id(new))
 
     def _abandon(self) -> None:
-        """Stop a background start that has not taken over; its switch happens at the next fetch instead."""
-        guard = _lightning.train_iterator(self.trainer) if self.trainer is not None else None
-        new = guard.abandon() if isinstance(guard, GuardedIterator) else None
-        if new is not None:
-            self._pending = self._built.pop(id(new), None)
-            self.probe.overlap_ended()
+        """Stop a background start that has not taken over; its switch happens at the next fetch instead, unless
+        a later decision replaced it."""
+        new = self._guarded.abandon() if self._guarded is not None else None
+        settings = self._built.pop(id(new), None) if new is not None else None
+        if settings is not None and self._pending is None and settings == self.state.target:
+            self._pending = settings
 
     # --- failures -------------------------------------------------------------------------------------------
     def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:

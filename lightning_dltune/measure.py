@@ -294,9 +294,8 @@ class StepTimer:
         self._first_after_build = True
         if self._overlap is not None:
             (wall, steps), self._overlap = self._overlap, None
-            extra = max(0.0, wall - steps * self._last_mean_wall)
-            self._window.startup += extra
-            self._log.startup += extra
+            # the log window has those steps already (they were served); the trial window pays for them here
+            self._window.startup += max(0.0, wall - steps * self._last_mean_wall)
 
     def overlap_started(self) -> None:
         """A new loader starts in the background; the steps until it takes over (:meth:`rebuilt_in_fetch`) are

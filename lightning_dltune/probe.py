@@ -206,7 +206,11 @@ class Probe:
         self.timer.loader_requested()
 
     def rebuilt_in_fetch(self) -> None:
+        """A new loader serves from this fetch on: the window's CPU and memory are counted from here (after a
+        background start, the steps before were the old config's)."""
         self.timer.rebuilt_in_fetch()
+        self._cpu0 = self._batch_bytes = None
+        self.memory.take()
 
     def overlap_started(self) -> None:
         self.timer.overlap_started()

@@ -213,7 +213,7 @@ class GuardedIterator(Iterator[Any]):
             once.
         adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
         overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are
-            still the old loader's).
+            still the old loader's), ``overlap(None)`` when it was abandoned before taking over.
     """
 
     def __init__(
@@ -228,7 +228,7 @@ class GuardedIterator(Iterator[Any]):
         close: Callable[[Iterator[Any]], None] = lambda it: None,
         ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None,
         adopt: Callable[[Any, Any], None] = lambda old, new: None,
-        overlap: Callable[[Any], None] = lambda new: None,
+        overlap: Callable[[Any | None], None] = lambda new: None,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -280,7 +280,8 @@ class GuardedIterator(Iterator[Any]):
             return False
         lead, end = plan
         live = sampler.live
-        at = min(max(live.next, self.position) + lead, end - 1, len(sampler) - 1)
+        # `lead` batches from the loop's position, and never before what the old workers were handed already
+        at = min(max(live.next, self.position + lead), end - 1, len(sampler) - 1)
         if at <= self.position or not sampler.cut(live, at):
             return False
         sampler.resume_at(at)
@@ -307,6 +308,7 @@ class GuardedIterator(Iterator[Any]):
         new, inner, _ = self.next
         self.next = None
         self._close(inner)
+        self._overlap(None)
         return new
 
     def _switch(self, new: Any) -> None:

@@ -1,6 +1,7 @@
 """Background starts (#13, part 2): the next loader starts while the running one serves, and takes over at a
 hand-over batch, with every batch of the epoch delivered once, in order."""
 
+import gc
 import time
 
 import lightning.pytorch as pl
@@ -92,9 +93,28 @@ def test_a_background_start_hands_over_at_its_batch_with_the_exact_order(new_ini
     torch.empty((), dtype=torch.int64).random_(generator=expected)  # the first iterator's base seed
     assert indices == torch.randperm(len(dataset), generator=expected).tolist()  # each once, in the epoch's order
 
-    # the old loader (1 worker, 2 batches in flight at batch 2) serves 3 batches more than it was handed: to 7
-    assert starts == [(2, 7)] and guard.handed_over == 1 and guard.loader is new
-    assert by == [1] * 7 + [2] * (len(sampler) - 7)
+    # the old loader serves 3 batches from the loop's position (it had been handed batches 2 and 3 already)
+    assert starts == [(2, 5)] and guard.handed_over == 1 and guard.loader is new
+    assert by == [1] * 5 + [2] * (len(sampler) - 5)
+    shut(guard.inner)
+
+
+def test_the_hand_over_never_comes_before_the_batches_the_old_workers_were_handed():
+    dataset = WhoLoads()
+    sampler = ResumableBatchSampler(range(len(dataset)), 8, False)
+    old, new = loaders(sampler, dataset)
+    guard = GuardedIterator(
+        old,
+        iter(old),
+        lambda loader: new if loader is old and guard.position == 2 else None,
+        lambda *a: None,
+        lambda it: None,
+        close=shut,
+        ahead=lambda loader: (0, len(sampler)),  # no lead: the batches already in flight are served first
+    )
+    indices, by = served(list(guard))
+    assert indices == list(range(len(dataset)))
+    assert by == [1] * 4 + [2] * (len(sampler) - 4) and guard.handed_over == 1
     shut(guard.inner)
 
 
@@ -121,7 +141,7 @@ def test_a_failure_during_the_overlap_stops_the_new_workers_and_recovers_at_the_
     )
     indices, by = served(list(guard))
     assert indices == list(range(len(dataset)))  # nothing lost or repeated
-    # at batch 1 the old loader had been handed batches 1 and 2: it was to serve to batch 7, and failed at 4;
+    # from batch 1 the old loader was to serve 4 batches, to batch 5, and failed at 4;
     # the new loader's 2 workers were stopped first (the old one's worker is left for the recovery to stop)
     assert recovered == [(4, 1, True)]
     assert guard.next is None and guard.loader is fallback and guard.handed_over == 0
@@ -148,3 +168,36 @@ def test_a_tuned_fit_starts_its_switches_in_the_background_on_the_exact_order(tm
     assert tuner.switcher.behind >= 1, tuner.trials
     first = [w for e, w in workers.seen if e == 0]
     assert first[0] == 0 and max(first) > 0
+
+
+class StopWhileStarting(pl.Callback):
+    """Ends the fit (as a time limit or early stopping would) while a background start has not taken over."""
+
+    def __init__(self, tuner):
+        self.tuner, self.stopped_at = tuner, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.stopped_at is None and self.tuner.switcher.starting is not None:
+            self.stopped_at = batch_idx
+            trainer.should_stop = True
+
+
+class SeededModel(PlainModel):
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+
+def test_a_fit_that_ends_before_the_hand_over_leaves_no_worker_behind(tmp_path):
+    """The stopped start's loader is persistent and, with seamless epochs, held in a reference cycle: only
+    stopping it (not freeing it) ends its workers, so the garbage collector is kept out of the check."""
+    tuner = DataLoaderTuner()
+    stop = StopWhileStarting(tuner)
+    model = SeededModel(SyntheticDataset(length=480, latency_ms=5.0), step_ms=1)
+    gc.disable()
+    try:
+        make_trainer(tmp_path, [tuner, stop], max_epochs=2, logger=False).fit(model)
+        assert stop.stopped_at is not None, tuner.trials  # it did stop during a background start
+        assert tuner.switcher.starting is None and tuner.state.current.num_workers == 0  # never took over
+        assert live_children() == []
+    finally:
+        gc.enable()
