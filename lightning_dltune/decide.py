@@ -455,10 +455,12 @@ def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Polic
 
 def handover_lead(trials: Sequence[Trial], settings: LoaderSettings, policy: Policy = Policy()) -> int:
     """Batches the running loader serves while ``settings``' loader starts in the background (#13): as many as
-    fit in the new loader's time to its first batch (its start-up, ``restart_cost_s``, and one batch's
-    production), at the running config's time per step. Rounded down: a lead too short only waits for the rest
-    at the hand-over, as a switch in the open waits for all of it, while a lead too long keeps the slower config
-    after the faster one was ready. 0: nothing to gain (take over at once)."""
+    fit, at the running config's time per step, in the time one of the new workers takes to load its first
+    batch. Starting the workers (forking them) happens in the training process before the overlap, so it is
+    not part of it. Rounded down: a lead too short only waits for the rest at the hand-over, as a switch in the
+    open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. At
+    0 workers a step takes longer than a batch's load, so the lead is 0 there: nothing to serve meanwhile."""
+    del settings, policy  # the same for any new worker count: its workers load their first batches in parallel
     usable = [t for t in trials if t.usable]
     if not usable:
         return 0
@@ -466,9 +468,8 @@ def handover_lead(trials: Sequence[Trial], settings: LoaderSettings, policy: Pol
     wall = s.mean_wall_s
     if wall <= 0:
         return 0
-    batch = s.mean_wait_s if workers == 0 else workers * wall
-    ready = restart_cost_s(trials, settings.num_workers, policy) + batch
-    return max(0, min(64, math.floor(ready / wall)))
+    batch = s.mean_wait_s if workers == 0 else workers * wall  # at most: workers in parallel, one batch each
+    return max(0, min(64, math.floor(batch / wall)))
 
 
 def _wasted(

@@ -309,7 +309,7 @@ class Probe:
         if latest is None or budget_bytes is None or settings is None:
             return False
         flight = in_flight_bytes(self._known_batch_bytes, settings.prefetch_factor, settings.pin_memory)
-        self.memory.pressure = (latest.total_bytes + latest.workers * flight) / budget_bytes if budget_bytes else 1.0
+        self.memory.pressure = self.held_bytes(settings) / budget_bytes if budget_bytes else 1.0
         return over_budget(latest.total_bytes, latest.workers, flight, budget_bytes)
 
     def skip(self) -> None:

@@ -59,6 +59,21 @@ def shut(*its):
             stop()
 
 
+def switching(old, new, at, lead, **kwargs):
+    """A guard over ``old`` that switches to ``new`` at batch ``at``, in the background with ``lead``."""
+    guard = GuardedIterator(
+        old,
+        iter(old),
+        lambda loader: new if loader is old and guard.position == at else None,
+        lambda *a: None,
+        lambda it: None,
+        close=shut,
+        ahead=lambda loader: (lead, len(old.batch_sampler)),
+        **kwargs,
+    )
+    return guard
+
+
 def test_an_iteration_cut_at_a_batch_yields_nothing_from_there_and_another_resumes_there():
     sampler = ResumableBatchSampler(range(40), 4, False)
     old = iter(sampler)
@@ -78,16 +93,7 @@ def test_a_background_start_hands_over_at_its_batch_with_the_exact_order(new_ini
     sampler = ResumableBatchSampler(RandomSampler(dataset, generator=g), 8, False)
     old, new = loaders(sampler, dataset, g, new_init)
     starts = []
-    guard = GuardedIterator(
-        old,
-        iter(old),
-        lambda loader: new if loader is old and guard.position == 2 else None,
-        lambda *a: None,
-        lambda it: None,
-        close=shut,
-        ahead=lambda loader: (3, len(sampler)),
-        overlap=lambda loader: starts.append((guard.position, guard.next[2])),
-    )
+    guard = switching(old, new, 2, 3, overlap=lambda loader: starts.append((guard.position, guard.next[2])))
     indices, by = served(list(guard))
     expected = torch.Generator().manual_seed(5)
     torch.empty((), dtype=torch.int64).random_(generator=expected)  # the first iterator's base seed
@@ -103,15 +109,7 @@ def test_the_hand_over_never_comes_before_the_batches_the_old_workers_were_hande
     dataset = WhoLoads()
     sampler = ResumableBatchSampler(range(len(dataset)), 8, False)
     old, new = loaders(sampler, dataset)
-    guard = GuardedIterator(
-        old,
-        iter(old),
-        lambda loader: new if loader is old and guard.position == 2 else None,
-        lambda *a: None,
-        lambda it: None,
-        close=shut,
-        ahead=lambda loader: (0, len(sampler)),  # no lead: the batches already in flight are served first
-    )
+    guard = switching(old, new, 2, 0)  # no lead: the batches already in flight are served first
     indices, by = served(list(guard))
     assert indices == list(range(len(dataset)))
     assert by == [1] * 4 + [2] * (len(sampler) - 4) and guard.handed_over == 1
@@ -129,16 +127,7 @@ def test_a_failure_during_the_overlap_stops_the_new_workers_and_recovers_at_the_
         recovered.append((position, len(live_children()), "cannot read sample 32" in str(error)))
         return fallback
 
-    guard = GuardedIterator(
-        old,
-        iter(old),
-        lambda loader: new if loader is old and guard.position == 1 else None,
-        lambda *a: None,
-        lambda it: None,
-        on_error=on_error,
-        close=shut,
-        ahead=lambda loader: (4, len(sampler)),
-    )
+    guard = switching(old, new, 1, 4, on_error=on_error)
     indices, by = served(list(guard))
     assert indices == list(range(len(dataset)))  # nothing lost or repeated
     # from batch 1 the old loader was to serve 4 batches, to batch 5, and failed at 4;
@@ -149,25 +138,39 @@ def test_a_failure_during_the_overlap_stops_the_new_workers_and_recovers_at_the_
     shut(guard.inner)
 
 
-def fit(tmp_path, tuner, extra=()):
+class OneWorker(PlainModel):
+    """The user's loader already has a persistent worker: a switch up from there has batches to serve while the
+    new workers start. (With one worker every step waits alike, so the stall is plain after a few steps.)"""
+
+    def __init__(self, *args, generator=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generator = generator
+
+    def train_dataloader(self):
+        return DataLoader(
+            self.dataset, batch_size=8, shuffle=True, num_workers=1, persistent_workers=True, generator=self.generator
+        )
+
+
+def fit(tmp_path, tuner, extra=(), generator=None):
     pl.seed_everything(7, workers=True)
     record = EpochIndices()
-    # 40 ms to load a batch in the training process against a 1 ms step: plainly input-bound from the first steps
-    model = PlainModel(SyntheticDataset(length=480, latency_ms=5.0), step_ms=1)
+    # 80 ms to load a batch against a 1 ms step: one worker is far too few, the tuner goes up at once
+    model = OneWorker(SyntheticDataset(length=480, latency_ms=10.0), step_ms=1, generator=generator)
     make_trainer(tmp_path, [tuner, record, *extra], max_epochs=2, logger=False).fit(model)
     return record.epochs
 
 
 def test_a_tuned_fit_starts_its_switches_in_the_background_on_the_exact_order(tmp_path):
-    """Default arguments: the first switch (from 0 workers, on one process) starts behind the running loader, and
-    the epochs are exactly those of an observe-only run."""
+    """Default arguments: a switch up from the user's one worker (on one process) starts behind the running loader,
+    and the epochs are exactly those of an observe-only run."""
     reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True))
     tuner, workers = DataLoaderTuner(), WorkersPerBatch()
     tuned = fit(tmp_path / "b", tuner, [workers])
     assert tuned == reference
     assert tuner.switcher.behind >= 1, tuner.trials
     first = [w for e, w in workers.seen if e == 0]
-    assert first[0] == 0 and max(first) > 0
+    assert first[0] == 1 and max(first) > 1
 
 
 class StopWhileStarting(pl.Callback):
@@ -182,22 +185,16 @@ class StopWhileStarting(pl.Callback):
             trainer.should_stop = True
 
 
-class SeededModel(PlainModel):
-    def train_dataloader(self):
-        return DataLoader(self.dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
-
-
 def test_a_fit_that_ends_before_the_hand_over_leaves_no_worker_behind(tmp_path):
     """The stopped start's loader is persistent and, with seamless epochs, held in a reference cycle: only
     stopping it (not freeing it) ends its workers, so the garbage collector is kept out of the check."""
     tuner = DataLoaderTuner()
     stop = StopWhileStarting(tuner)
-    model = SeededModel(SyntheticDataset(length=480, latency_ms=5.0), step_ms=1)
     gc.disable()
     try:
-        make_trainer(tmp_path, [tuner, stop], max_epochs=2, logger=False).fit(model)
+        fit(tmp_path, tuner, [stop], generator=torch.Generator().manual_seed(3))
         assert stop.stopped_at is not None, tuner.trials  # it did stop during a background start
-        assert tuner.switcher.starting is None and tuner.state.current.num_workers == 0  # never took over
+        assert tuner.switcher.starting is None and tuner.state.current.num_workers == 1  # never took over
         assert live_children() == []
     finally:
         gc.enable()
