@@ -453,14 +453,14 @@ def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Polic
     return (max(per_worker) if per_worker else policy.startup_prior_s) * max(1, workers)
 
 
-def handover_lead(trials: Sequence[Trial], settings: LoaderSettings, policy: Policy = Policy()) -> int:
-    """Batches the running loader serves while ``settings``' loader starts in the background (#13): as many as
+def handover_lead(trials: Sequence[Trial]) -> int:
+    """Batches the running loader serves while a new loader starts in the background (#13): as many as
     fit, at the running config's time per step, in the time one of the new workers takes to load its first
     batch. Starting the workers (forking them) happens in the training process before the overlap, so it is
     not part of it. Rounded down: a lead too short only waits for the rest at the hand-over, as a switch in the
     open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. At
-    0 workers a step takes longer than a batch's load, so the lead is 0 there: nothing to serve meanwhile."""
-    del settings, policy  # the same for any new worker count: its workers load their first batches in parallel
+    0 workers a step takes longer than a batch's load, so the lead is 0 there: nothing to serve meanwhile. The
+    same for any new worker count: its workers load their first batches in parallel."""
     usable = [t for t in trials if t.usable]
     if not usable:
         return 0

@@ -78,7 +78,6 @@ class LoaderSwitcher:
         self._pending: LoaderSettings | None = None
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
-        self._built: dict[int, LoaderSettings] = {}  # id(loader) -> settings, for loaders built by a switch
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -108,7 +107,7 @@ class LoaderSwitcher:
         """Undo :meth:`install`; safe to call twice. A background start still running is stopped (a fit that
         ended before its hand-over), and no switch is left pending for another ``fit``."""
         self._abandon()
-        self._pending, self._behind, self._built, self._guarded = None, False, {}, None
+        self._pending, self._behind, self._guarded = None, False, None
         self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
@@ -339,17 +338,16 @@ class LoaderSwitcher:
         with _lightning.recording():
             new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
         self.seamless.attach(new)
-        self._built = {id(new): settings}
         return new
 
     def _lead(self, new: DataLoader) -> tuple[int, int] | None:
         """How far ahead a background start of ``new`` hands over (``GuardedIterator``'s ``ahead``): enough
-        batches of the running loader to cover the new one's measured start-up, and before the epoch's last
-        batch (``limit_train_batches`` included). ``None``: it takes over at once; so does a loader with its own
-        state (a ``StatefulDataLoader``): the state Lightning saves is the serving loader's."""
+        batches of the running loader to cover a new worker's first batch (``decide.handover_lead``), and before
+        the epoch's last batch (``limit_train_batches`` and ``max_steps`` included). ``None``: it takes over at
+        once; so does a loader with its own state (a ``StatefulDataLoader``): the state Lightning saves is the
+        serving loader's."""
         behind, self._behind = self._behind, False
-        settings = self._built.get(id(new))
-        if not behind or settings is None or self.trainer is None or callable(getattr(new, "state_dict", None)):
+        if not behind or self.trainer is None or callable(getattr(new, "state_dict", None)):
             return None
         end, guard = self.trainer.num_training_batches, self._guarded
         if not isinstance(end, int) or guard is None:
@@ -357,7 +355,7 @@ class LoaderSwitcher:
         left = remaining_steps(self.trainer, guard.position)  # `max_steps` may end the fit inside this epoch
         if left is not None:
             end = min(end, guard.position + left)
-        return self.state.handover_lead(settings), end
+        return self.state.handover_lead(), end
 
     def _adopt(self, old: DataLoader, new: DataLoader) -> None:
         """``new`` serves from this fetch on: the old loader's workers stop, Lightning trains on ``new``, and this
@@ -365,7 +363,7 @@ class LoaderSwitcher:
         assert self.trainer is not None
         _lightning.shutdown_workers(old)
         _lightning.replace_train_loader(self.trainer, new)
-        self.state.current = self._built.pop(id(new))
+        self.state.current = LoaderSettings.from_loader(new)
         self._fresh = True
         self.probe.rebuilt_in_fetch()
 
@@ -374,13 +372,13 @@ class LoaderSwitcher:
         """The settings of a loader starting in the background, until it takes over (``None``: none)."""
         guard = self._guarded
         new = guard.next[0] if guard is not None and guard.next is not None else None
-        return None if new is None else self._built.get(id(new))
+        return None if new is None else LoaderSettings.from_loader(new)
 
     def _abandon(self) -> None:
         """Stop a background start that has not taken over; its switch happens at the next fetch instead, unless
         a later decision replaced it."""
         new = self._guarded.abandon() if self._guarded is not None else None
-        settings = self._built.pop(id(new), None) if new is not None else None
+        settings = LoaderSettings.from_loader(new) if new is not None else None
         if settings is not None and self._pending is None and settings == self.state.target:
             self._pending = settings
 

@@ -190,9 +190,9 @@ class TuningState:
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
 
-    def handover_lead(self, settings: LoaderSettings) -> int:
-        """Batches the running config serves while ``settings``' loader starts behind it (``decide.handover_lead``)."""
-        return handover_lead(self.trials, settings, self.policy)
+    def handover_lead(self) -> int:
+        """Batches the running config serves while a new loader starts behind it (``decide.handover_lead``)."""
+        return handover_lead(self.trials)
 
     def starts_behind(
         self, settings: LoaderSettings, running_bytes: float, batch_bytes: float, budget_bytes: float | None

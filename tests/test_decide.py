@@ -339,5 +339,5 @@ def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, 
 def test_handover_lead_is_what_fits_in_a_new_workers_first_batch(running, lead):
     from lightning_dltune.decide import handover_lead
 
-    assert handover_lead([running], cfg(8)) == lead
-    assert handover_lead([], cfg(8)) == 0  # nothing measured: take over at once
+    assert handover_lead([running]) == lead
+    assert handover_lead([]) == 0  # nothing measured: take over at once
