@@ -3,10 +3,13 @@
 The model (as in tf.data's AUTOTUNE, reduced to one stage): a worker needs ``P`` seconds of wall time to
 produce a batch, ``C`` of which are CPU; the trainer is busy ``B`` seconds per step when it is not waiting.
 With ``w`` workers the loader delivers at most ``min(w / P, cpus / C)`` batches per second, so the stall
-disappears once ``w >= P / B`` as long as the CPUs can feed the workers (``w <= cpus * P / C``). A loader
+disappears once ``w >= P / B`` as long as the CPUs can feed the workers (``w <= cpus * P / C``). Batches are
+handed over in order, so ``P`` is taken at its 90th percentile where it was measured (see :func:`estimate`). A loader
 waiting on storage (``C << P``) wants far more workers than cores; a decode-bound one no more than the CPUs.
 
-* With 0 workers, ``P`` is the time the main process spent fetching a batch and ``C`` its CPU time.
+* With 0 workers, ``P`` is the time the main process spent fetching a batch (its mean, one standard error up:
+  a window judged after a few steps of a bursty loader may have missed its slow batches) and ``C`` its CPU
+  time.
 * With ``w`` workers and a stall, all workers are busy, so ``P <= w * T`` (``T`` the wall time per step),
   and ``C`` is the workers' CPU time per batch. The tightest bound over the history is used.
 
@@ -96,6 +99,7 @@ class Estimate:
 
     batch_s: float
     busy_s: float
+    batch_tail_s: float  # what the workers are sized on: the batch time's 90th percentile where it is known
     cpu_per_batch_s: float
     worker_cpus: float
     needed_workers: int
@@ -138,22 +142,33 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     s = last.stats
     # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
     busy = max((s.step_s + s.other_s) / s.steps, s.mean_gpu_busy_s)
-    bounds = []
+    bounds, glimpses = [], []
     for t in usable:
         w = t.settings.num_workers
-        if w == 0:
-            bounds.append(t.stats.mean_wait_s)
+        if w == 0:  # an estimate, not a bound: one standard error up
+            # a window judged after a few steps (see judged_early) may have missed every slow batch of a bursty
+            # loader: it sizes the first jump, and a window that stalled with workers overrules it
+            estimate_s = t.stats.mean_wait_s + t.stats.wait_sem_s
+            (bounds if t.stats.steps >= policy.min_steps else glimpses).append(estimate_s)
         elif t.stats.effective_stall_frac > policy.stall_threshold / 2:
             bounds.append(w * t.stats.mean_wall_s)
-    batch = min(bounds) if bounds else last.settings.num_workers * s.mean_wall_s
+    fallback = last.settings.num_workers * s.mean_wall_s
+    # what the CPUs can feed is read on the least contended time: workers that wait for the CPUs stretch it
+    uncontended = min(bounds + glimpses, default=fallback)
+    bounds = bounds or glimpses
+    batch = min(bounds) if bounds else fallback
+    # The loader hands batches over in order, so one slow batch stalls training even while the other workers
+    # have theirs ready: the workers must cover the slow batches' time, not only the mean. Waits at 0 workers
+    # are whole batch times; their 90th percentile sizes the workers (tf.data sizes on the mean: it has no order)
+    tail = max((t.stats.wait_p90_s for t in usable if t.settings.num_workers == 0), default=0.0)
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
-    cpu_per_batch = min(cpu_per_batch, batch)
+    cpu_per_batch = min(cpu_per_batch, uncontended)
     # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
     # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
     worker_cpus = max(1.0, budget.cpus)
-    needed = math.ceil(policy.headroom * batch / busy) if busy > 0 else budget.max_workers
-    if cpu_per_batch > 0.02 * batch:
-        cpu_cap = max(1, math.floor(worker_cpus * batch / cpu_per_batch + 1e-9))
+    needed = math.ceil(policy.headroom * max(batch, tail) / busy) if busy > 0 else budget.max_workers
+    if cpu_per_batch > 0.02 * uncontended:
+        cpu_cap = max(1, math.floor(worker_cpus * uncontended / cpu_per_batch + 1e-9))
     else:  # waiting on I/O: the CPUs do not limit the worker count
         cpu_cap = max(budget.max_workers, needed)
     batch_bytes = max((t.stats.batch_bytes for t in usable), default=0.0)
@@ -177,6 +192,7 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         shm_cap = int(budget.shm_bytes * policy.shm_fraction // batch_bytes)
     return Estimate(
         batch_s=batch,
+        batch_tail_s=max(batch, tail),
         busy_s=busy,
         cpu_per_batch_s=cpu_per_batch,
         worker_cpus=worker_cpus,
@@ -425,11 +441,18 @@ def decide(
     decision = try_(
         cand,
         last.stats.mean_wall_s - predicted_wall,
-        f"a batch takes {est.batch_s * 1e3:.1f} ms to load and the step {est.busy_s * 1e3:.1f} ms: "
-        f"{est.needed_workers} workers hide it{limit}",
+        f"a batch takes {est.batch_s * 1e3:.1f} ms to load{_slowest(est)} and the step {est.busy_s * 1e3:.1f} "
+        f"ms: {est.needed_workers} workers hide it{limit}",
         est,
     )
     return replace(decision, probe_memory=first is not None)
+
+
+def _slowest(est: Estimate) -> str:
+    """The slow batches' time, where it sized the workers (see :func:`estimate`)."""
+    if est.batch_tail_s <= 1.1 * est.batch_s:
+        return ""
+    return f" (one in ten {est.batch_tail_s * 1e3:.1f} ms or more)"
 
 
 def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: int) -> int | None:

@@ -47,7 +47,8 @@ class WindowStats:
     wait_p50_s: float = 0.0
     wait_p90_s: float = 0.0
     wall_sem_s: float = 0.0
-    wait_sem_s: float = 0.0  # standard error of the mean per-step wait
+    wait_sem_s: float = 0.0  # standard error of the mean per-step wait (batch means: see _Accumulator)
+    busy_sem_s: float = 0.0  # standard error of the mean per-step busy time (step and other)
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
@@ -97,12 +98,15 @@ class WindowStats:
         return self.gpu.mean_busy_s
 
     def stall_lower_bound(self, z: float = 2.0) -> float:
-        """A lower confidence bound on :attr:`stall_frac`: the mean wait ``z`` standard errors lower over the mean
-        wall ``z`` standard errors higher (0.0 below two steps)."""
+        """A lower confidence bound on :attr:`stall_frac` (0.0 below two steps). The stall is ``W / (W + B)``, the
+        mean wait over the mean wait plus the mean busy time (step and other), which grows with ``W`` and falls
+        with ``B``: the bound takes ``W`` ``z`` standard errors lower and ``B`` ``z`` higher. (The wall's own
+        error is no use here: it carries the wait's, so bounding both counted a bursty wait twice.)"""
         if self.steps < 2 or self.wall_s <= 0:
             return 0.0
-        wait = self.mean_wait_s - z * self.wait_sem_s
-        return max(0.0, wait) / (self.mean_wall_s + z * self.wall_sem_s)
+        wait = max(0.0, self.mean_wait_s - z * self.wait_sem_s)
+        busy = max(0.0, self.mean_wall_s - self.mean_wait_s) + z * self.busy_sem_s
+        return wait / (wait + busy) if wait + busy > 0 else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -180,8 +184,13 @@ class WindowStats:
 
 
 class _Accumulator:
-    """Exact sums, running variances of the per-step wall and wait (Welford), and the most recent waits for
-    quantiles."""
+    """Exact sums, running variances of the per-step wall, wait and busy time (Welford), and the most recent
+    waits for quantiles and for the wait's standard error.
+
+    Waits are not independent from step to step: ``w`` workers deliver their batches in turn, so a window on
+    2 workers often alternates between no wait and a long one. The wait's standard error is therefore taken
+    over batch means (blocks of ``floor(sqrt(n))`` consecutive steps, at least 3 blocks): alternating waits
+    average out inside a block, while a trend that lasts across blocks still shows."""
 
     def __init__(self, tail_size: int) -> None:
         self.tail_size = tail_size
@@ -194,6 +203,7 @@ class _Accumulator:
         self.startup = 0.0
         self._mean = self._m2 = 0.0
         self._wait_mean = self._wait_m2 = 0.0
+        self._busy_mean = self._busy_m2 = 0.0
         self._waits: deque[float] = deque(maxlen=self.tail_size)
 
     def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
@@ -211,12 +221,28 @@ class _Accumulator:
         delta = wait - self._wait_mean
         self._wait_mean += delta / self.steps
         self._wait_m2 += delta * (wait - self._wait_mean)
+        busy = step + other
+        delta = busy - self._busy_mean
+        self._busy_mean += delta / self.steps
+        self._busy_m2 += delta * (busy - self._busy_mean)
         self._waits.append(wait)
 
+    def _wait_sem(self) -> float:
+        n = self.steps
+        if n < 2:
+            return 0.0
+        size = max(1, min(math.isqrt(n), n // 3))
+        if size == 1 or len(self._waits) < n:  # too few steps for blocks, or the oldest waits are gone
+            return math.sqrt(self._wait_m2 / (n - 1) / n)
+        waits = list(self._waits)[n % size :]  # the most recent whole blocks
+        means = [sum(waits[i : i + size]) / size for i in range(0, len(waits), size)]
+        return _sem(means)
+
     def stats(self) -> WindowStats:
-        sem = math.sqrt(self._m2 / (self.steps - 1) / self.steps) if self.steps > 1 else 0.0
+        n = self.steps
+        sem = math.sqrt(self._m2 / (n - 1) / n) if n > 1 else 0.0
+        busy_sem = math.sqrt(self._busy_m2 / (n - 1) / n) if n > 1 else 0.0
         waits = sorted(self._waits)
-        wait_sem = math.sqrt(self._wait_m2 / (self.steps - 1) / self.steps) if self.steps > 1 else 0.0
         return WindowStats(
             steps=self.steps,
             samples=self.samples,
@@ -228,10 +254,18 @@ class _Accumulator:
             wait_p50_s=quantile(waits, 0.5),
             wait_p90_s=quantile(waits, 0.9),
             wall_sem_s=sem,
-            wait_sem_s=wait_sem,
+            wait_sem_s=self._wait_sem(),
+            busy_sem_s=busy_sem,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
         )
+
+
+def _sem(values: list[float]) -> float:
+    """Standard error of the mean of ``values`` (at least two)."""
+    k = len(values)
+    mean = sum(values) / k
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (k - 1) / k)
 
 
 def quantile(sorted_values: list[float], q: float) -> float:

@@ -105,6 +105,53 @@ def test_wall_standard_error_is_zero_for_identical_steps_and_positive_otherwise(
     assert timer.take_window().wall_sem_s > 0.001
 
 
+def test_alternating_waits_from_two_workers_are_plainly_a_stall(timer_and_clock):
+    # two workers deliver their batches in turn: the waits alternate between none and a long one. Step by
+    # step they look like noise as large as the mean; over blocks of consecutive steps they are steady
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.0, 0.0, 0.014, 0.0), (0.070, 0.0, 0.014, 0.0)] * 4)
+    s = timer.take_window()
+    assert s.stall_frac == pytest.approx(35 / 49)
+    assert s.wait_sem_s == pytest.approx(0.0, abs=1e-12)  # blocks of 2 steps, each the same
+    assert s.stall_lower_bound() == pytest.approx(35 / 49)
+
+
+def test_a_trend_across_blocks_keeps_the_wait_uncertain(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.010 * i, 0.0, 0.014, 0.0) for i in range(9)])
+    s = timer.take_window()
+    assert s.wait_sem_s > 0.01  # block means 0.01, 0.04, 0.07 s
+    assert s.stall_lower_bound() < 0.5 < s.stall_frac
+
+
+@pytest.mark.parametrize(
+    ("wait_ms", "busy_ms", "wait_sem_ms", "busy_sem_ms", "expected"),
+    [
+        (160, 10, 0, 0, 160 / 170),
+        (160, 10, 60, 0, 40 / 50),  # a noisy wait far above the step is still plainly a stall
+        (20, 10, 8, 0, 4 / 14),
+        (20, 10, 0, 5, 20 / 40),
+        (20, 10, 12, 0, 0.0),
+    ],
+)
+def test_the_stall_bound_takes_the_wait_low_and_the_busy_time_high(
+    wait_ms, busy_ms, wait_sem_ms, busy_sem_ms, expected
+):
+    steps = 5
+    s = WindowStats(
+        steps=steps,
+        wall_s=(wait_ms + busy_ms) * steps / 1e3,
+        wait_s=wait_ms * steps / 1e3,
+        step_s=busy_ms * steps / 1e3,
+        wall_sem_s=1.0,  # the wall's error carries the wait's: the bound must not read it
+        wait_sem_s=wait_sem_ms / 1e3,
+        busy_sem_s=busy_sem_ms / 1e3,
+    )
+    assert s.stall_lower_bound() == pytest.approx(expected)
+
+
 @pytest.mark.parametrize(
     ("values", "q", "expected"),
     [([], 0.5, 0.0), ([1.0], 0.9, 1.0), ([0.0, 10.0], 0.5, 5.0), ([1.0, 2.0, 3.0, 4.0, 5.0], 0.9, 4.6)],
