@@ -142,25 +142,28 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     s = last.stats
     # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
     busy = max((s.step_s + s.other_s) / s.steps, s.mean_gpu_busy_s)
-    bounds, glimpses = [], []
+    # (estimate or bound, 90th percentile of the batch time where it was measured)
+    bounds: list[tuple[float, float]] = []
+    glimpses: list[tuple[float, float]] = []
     for t in usable:
         w = t.settings.num_workers
         if w == 0:  # an estimate, not a bound: one standard error up
             # a window judged after a few steps (see judged_early) may have missed every slow batch of a bursty
             # loader: it sizes the first jump, and a window that stalled with workers overrules it
-            estimate_s = t.stats.mean_wait_s + t.stats.wait_sem_s
-            (bounds if t.stats.steps >= policy.min_steps else glimpses).append(estimate_s)
+            seen = (t.stats.mean_wait_s + t.stats.wait_sem_s, t.stats.wait_p90_s)
+            (bounds if t.stats.steps >= policy.min_steps else glimpses).append(seen)
         elif t.stats.effective_stall_frac > policy.stall_threshold / 2:
-            bounds.append(w * t.stats.mean_wall_s)
+            bounds.append((w * t.stats.mean_wall_s, 0.0))
     fallback = last.settings.num_workers * s.mean_wall_s
-    # what the CPUs can feed is read on the least contended time: workers that wait for the CPUs stretch it
-    uncontended = min(bounds + glimpses, default=fallback)
+    # what the CPUs can feed is read on the least time measured: workers that wait for the CPUs stretch it (a
+    # glimpse that missed slow batches waiting on I/O reads it low too: the CPU cap errs towards fewer workers)
+    uncontended = min((b for b, _ in bounds + glimpses), default=fallback)
     bounds = bounds or glimpses
-    batch = min(bounds) if bounds else fallback
+    batch = min((b for b, _ in bounds), default=fallback)
     # The loader hands batches over in order, so one slow batch stalls training even while the other workers
     # have theirs ready: the workers must cover the slow batches' time, not only the mean. Waits at 0 workers
     # are whole batch times; their 90th percentile sizes the workers (tf.data sizes on the mean: it has no order)
-    tail = max((t.stats.wait_p90_s for t in usable if t.settings.num_workers == 0), default=0.0)
+    tail = max((p90 for _, p90 in bounds), default=0.0)
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, uncontended)
     # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving

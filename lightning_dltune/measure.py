@@ -19,6 +19,7 @@ On CUDA the same steps are also measured as the GPU saw them (``gpu_*`` fields, 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +48,7 @@ class WindowStats:
     wait_p50_s: float = 0.0
     wait_p90_s: float = 0.0
     wall_sem_s: float = 0.0
-    wait_sem_s: float = 0.0  # standard error of the mean per-step wait (batch means: see _Accumulator)
+    wait_sem_s: float = 0.0  # standard error of the mean per-step wait (batch means, widened: see _Accumulator)
     busy_sem_s: float = 0.0  # standard error of the mean per-step busy time (step and other)
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
@@ -190,7 +191,9 @@ class _Accumulator:
     Waits are not independent from step to step: ``w`` workers deliver their batches in turn, so a window on
     2 workers often alternates between no wait and a long one. The wait's standard error is therefore taken
     over batch means (blocks of ``floor(sqrt(n))`` consecutive steps, at least 3 blocks): alternating waits
-    average out inside a block, while a trend that lasts across blocks still shows."""
+    average out inside a block, while a trend that lasts across blocks still shows. Taken over a few steps or
+    blocks, the error is widened as Student's t widens an interval (2.2x over 3 steps, 1.15x over 10
+    blocks); the busy time's error too."""
 
     def __init__(self, tail_size: int) -> None:
         self.tail_size = tail_size
@@ -228,20 +231,20 @@ class _Accumulator:
         self._waits.append(wait)
 
     def _wait_sem(self) -> float:
-        n = self.steps
+        n = min(self.steps, len(self._waits))  # past the tail's size: over the waits it still holds
         if n < 2:
             return 0.0
         size = max(1, min(math.isqrt(n), n // 3))
-        if size == 1 or len(self._waits) < n:  # too few steps for blocks, or the oldest waits are gone
-            return math.sqrt(self._wait_m2 / (n - 1) / n)
-        waits = list(self._waits)[n % size :]  # the most recent whole blocks
+        if size == 1:
+            return math.sqrt(self._wait_m2 / (self.steps - 1) / self.steps) * _few(self.steps - 1)
+        waits = list(self._waits)[len(self._waits) % size :]  # the most recent whole blocks
         means = [sum(waits[i : i + size]) / size for i in range(0, len(waits), size)]
-        return _sem(means)
+        return _sem(means) * _few(len(means) - 1)
 
     def stats(self) -> WindowStats:
         n = self.steps
         sem = math.sqrt(self._m2 / (n - 1) / n) if n > 1 else 0.0
-        busy_sem = math.sqrt(self._busy_m2 / (n - 1) / n) if n > 1 else 0.0
+        busy_sem = math.sqrt(self._busy_m2 / (n - 1) / n) * _few(n - 1) if n > 1 else 0.0
         waits = sorted(self._waits)
         return WindowStats(
             steps=self.steps,
@@ -259,6 +262,16 @@ class _Accumulator:
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
         )
+
+
+_T975 = (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student's t, 97.5%, 1-9 degrees of freedom
+
+
+def _few(dof: int) -> float:
+    """How much wider a confidence interval on ``dof`` degrees of freedom is than the normal one (Student's t):
+    a standard error taken over a few steps or blocks is itself uncertain."""
+    t = _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.4 / dof
+    return t / 1.96
 
 
 def _sem(values: list[float]) -> float:
@@ -442,22 +455,49 @@ class StepTimer:
         return stats
 
 
-def process_cpu_seconds(process: Any = None, workers: list[int] | None = None) -> tuple[float, float]:
-    """CPU seconds used so far by this process and by its child processes: the reaped ones, and the live ones, or
-    only the ``workers`` (PIDs) among those when given (finding every live child scans all of ``/proc``: some
-    milliseconds on a busy host, at every window)."""
+def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
+    """CPU seconds used so far by this process and by its child processes, reaped and live (the workers, and a
+    forkserver with the workers it started and reaped)."""
     import psutil
 
     proc = process or psutil.Process()
     times = proc.cpu_times()
     main = times.user + times.system
     children = times.children_user + times.children_system
-    live = proc.children(recursive=True) if workers is None else workers
+    pids = descendants(proc.pid)
+    live = proc.children(recursive=True) if pids is None else pids
     for child in live:
         try:
             ct = (psutil.Process(child) if isinstance(child, int) else child).cpu_times()
-        except psutil.Error:  # gone since: a reaped worker is in this process's children times
+        except psutil.Error:  # gone since: reaped by this process, it is in this process's children times
             continue
-        # a worker's own reaped children too (a decoder it ran); a live one is counted when it is reaped
+        # what a live child reaped is its own: counted once, here (a live grandchild is counted in the walk)
         children += ct.user + ct.system + ct.children_user + ct.children_system
     return main, children
+
+
+def descendants(pid: int) -> list[int] | None:
+    """The live descendants of ``pid``, from the kernel's per-thread ``/proc/PID/task/TID/children`` lists: tens
+    of microseconds, where finding them by parent scans all of ``/proc`` (milliseconds on a busy host, at every
+    window). ``None`` where the kernel keeps no such lists (then ask psutil)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        if not os.path.exists(f"/proc/{parent}/task/{parent}/children"):
+            if parent == pid:
+                return None
+            continue  # exited since it was listed
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:  # the thread ended
+                continue
+            found += kids
+            todo += kids
+    return found

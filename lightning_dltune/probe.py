@@ -147,10 +147,9 @@ class Probe:
     """Measures one window at a time.
 
     Args:
-        worker_pids: the PIDs of the running train loader's workers (asked when a window closes).
+        worker_pids: the PIDs of the running train loader's workers (asked by the memory readings).
         clock, cpu_clock: as for :class:`~lightning_dltune.measure.StepTimer`.
-        cpu_seconds: ``() -> (this process, its workers)`` CPU seconds (default: this process, its reaped children and
-            the running workers, see :func:`~lightning_dltune.measure.process_cpu_seconds`).
+        cpu_seconds: ``() -> (this process, its children)`` CPU seconds.
         memory_of: ``(pids) -> [bytes]``, each worker's unique memory.
         footprint: ``() -> bytes`` this process holds (what a forked worker can come to hold).
         memory_interval_s: how often the workers' memory is read during a window.
@@ -161,13 +160,13 @@ class Probe:
         worker_pids: Callable[[], list[int]] = list,
         clock: Clock = time.perf_counter,
         cpu_clock: Clock = time.thread_time,
-        cpu_seconds: Callable[[], tuple[float, float]] | None = None,
+        cpu_seconds: Callable[[], tuple[float, float]] = process_cpu_seconds,
         memory_of: Callable[[list[int]], list[float]] = worker_uss,
         footprint: Callable[[], float] = own_footprint,
         memory_interval_s: float = 0.25,
     ) -> None:
         self._clock, self._cpu_clock = clock, cpu_clock
-        self._cpu_seconds = cpu_seconds or (lambda: process_cpu_seconds(workers=_pids_or_none(worker_pids)))
+        self._cpu_seconds = cpu_seconds
         self.memory = MemoryWatch(worker_pids, memory_interval_s, memory_of, clock)
         self._footprint = footprint
         self.epoch_batches = 0.0
@@ -338,18 +337,10 @@ def tensor_bytes(batch: Any) -> int:
     return 0
 
 
-def _pids_or_none(worker_pids: Callable[[], list[int]]) -> list[int] | None:
-    """The running workers' PIDs, ``None`` while the loader cannot say (then every live child is read)."""
-    try:
-        return list(worker_pids())
-    except Exception:
-        return None
-
-
 def batch_size(batch: Any) -> int:
     """The batch's size as Lightning reads it (1 when it cannot tell): its first tensor's first dimension. A
-    tensor, or a list or tuple that starts with one, is read directly (Lightning walks every element: a tenth of
-    a millisecond a step)."""
+    tensor, or a list or tuple that starts with one, is read directly (Lightning walks every element: about 60 us
+    a step)."""
     from lightning.pytorch.utilities.data import extract_batch_size
 
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch

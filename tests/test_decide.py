@@ -110,6 +110,13 @@ def trial(
             id="a few steps at 0 workers that missed the slow batches are overruled by a stalled window",
         ),
         pytest.param(
+            [trial(0, 36, 10, steps=3, p90_ms=200), trial(5, 6, 10, steps=35)],
+            Budget(cpus=2.0, max_workers=64),
+            "try",
+            cfg(10),
+            id="... and so is its slowest batch: the stalled window sizes the next jump",
+        ),
+        pytest.param(
             [trial(0, 36, 10), trial(5, 6, 10, steps=35)],
             Budget(cpus=2.0, max_workers=64),
             "settle",

@@ -1,6 +1,11 @@
-import pytest
+import os
+import time
 
-from lightning_dltune.measure import StepTimer, WindowStats, quantile
+import pytest
+import torch
+
+from lightning_dltune.measure import StepTimer, WindowStats, descendants, process_cpu_seconds, quantile
+from lightning_dltune.probe import batch_size
 
 
 class FakeClock:
@@ -200,3 +205,54 @@ def test_an_abandoned_background_start_charges_nothing(timer_and_clock):
     run_steps(timer, clock, [(0.030, 0.0, 0.010, 0.0)] * 2)
     s = timer.take_window()
     assert s.steps == 2 and s.startup_s == 0.0
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        torch.zeros(16, 3),
+        (torch.zeros(16, 3), torch.zeros(16)),
+        [torch.zeros(8)],
+        {"x": torch.zeros(5, 2)},
+        torch.tensor(3.0),
+        ("a", torch.zeros(4)),
+        (),
+    ],
+    ids=["tensor", "tuple", "list", "dict", "0-d", "text first", "empty"],
+)
+def test_batch_size_reads_what_lightning_reads(batch):
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        expected = extract_batch_size(batch)
+    except Exception:
+        expected = 1
+    assert batch_size(batch) == expected
+
+
+def _burn(seconds):
+    t0 = time.process_time()
+    while time.process_time() - t0 < seconds:
+        pass
+    time.sleep(30)
+
+
+def test_cpu_seconds_count_live_children_found_through_proc():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_burn, args=(0.3,), daemon=True) for _ in range(2)]
+    _, kids0 = process_cpu_seconds()
+    for p in procs:
+        p.start()
+    try:
+        found = descendants(os.getpid())
+        assert found is not None and {p.pid for p in procs} <= set(found)
+        deadline = time.monotonic() + 20
+        while process_cpu_seconds()[1] - kids0 < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_cpu_seconds()[1] - kids0 >= 0.5  # both children's 0.3 s, while they are alive
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
