@@ -7,9 +7,8 @@ disappears once ``w >= P / B`` as long as the CPUs can feed the workers (``w <= 
 handed over in order, so ``P`` is taken at its 90th percentile where it was measured (see :func:`estimate`). A loader
 waiting on storage (``C << P``) wants far more workers than cores; a decode-bound one no more than the CPUs.
 
-* With 0 workers, ``P`` is the time the main process spent fetching a batch (its mean, one standard error up:
-  a window judged after a few steps of a bursty loader may have missed its slow batches) and ``C`` its CPU
-  time.
+* With 0 workers, ``P`` is the time the main process spent fetching a batch and ``C`` its CPU time; a window
+  judged after a few steps sizes only the first jump (it may have missed a bursty loader's slow batches).
 * With ``w`` workers and a stall, all workers are busy, so ``P <= w * T`` (``T`` the wall time per step),
   and ``C`` is the workers' CPU time per batch. The tightest bound over the history is used.
 
@@ -147,10 +146,10 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     glimpses: list[tuple[float, float]] = []
     for t in usable:
         w = t.settings.num_workers
-        if w == 0:  # an estimate, not a bound: one standard error up
+        if w == 0:  # an estimate, not a bound (the margin is in sizing on the 90th percentile, below)
             # a window judged after a few steps (see judged_early) may have missed every slow batch of a bursty
             # loader: it sizes the first jump, and a window that stalled with workers overrules it
-            seen = (t.stats.mean_wait_s + t.stats.wait_sem_s, t.stats.wait_p90_s)
+            seen = (t.stats.mean_wait_s, t.stats.wait_p90_s)
             (bounds if t.stats.steps >= policy.min_steps else glimpses).append(seen)
         elif t.stats.effective_stall_frac > policy.stall_threshold / 2:
             bounds.append((w * t.stats.mean_wall_s, 0.0))
