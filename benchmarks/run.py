@@ -220,7 +220,7 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
     }
 
 
-def hook_overhead_us(epochs: int = 4) -> dict[str, float]:
+def tuner_host_time(epochs: int = 4) -> dict[str, float]:
     """Host time spent inside the tuner per step on the observe-only path of a real fit (every hook the callback
     has, and the fetch hooks around each batch), timed from inside: 10 ms simulated step, in-memory data, 0
     workers. Window closes (CPU and memory readings) are included, spread over the steps. While tuning, each
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": [run_workload(n, epochs, grid, cache_dir) for n in names if n in WORKLOADS],
         "long_epoch": long_epoch(200, [8, 16]) if args.quick else long_epoch(600, [4, 8, 16]),
         "overhead": {
-            "tuner_host_time": hook_overhead_us(),
+            "tuner_host_time": tuner_host_time(),
             "observe_only": observe_overhead(2 if args.quick else 4, 1 if args.quick else 7),
         },
     }

@@ -162,13 +162,13 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     # The loader hands batches over in order, so one slow batch stalls training even while the other workers
     # have theirs ready: the workers must cover the slow batches' time, not only the mean. Waits at 0 workers
     # are whole batch times; their 90th percentile sizes the workers (tf.data sizes on the mean: it has no order)
-    tail = max((p90 for _, p90 in bounds), default=0.0)
+    sized = max(batch, max((p90 for _, p90 in bounds), default=0.0))
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, uncontended)
     # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
     # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
     worker_cpus = max(1.0, budget.cpus)
-    needed = math.ceil(policy.headroom * max(batch, tail) / busy) if busy > 0 else budget.max_workers
+    needed = math.ceil(policy.headroom * sized / busy) if busy > 0 else budget.max_workers
     if cpu_per_batch > 0.02 * uncontended:
         cpu_cap = max(1, math.floor(worker_cpus * uncontended / cpu_per_batch + 1e-9))
     else:  # waiting on I/O: the CPUs do not limit the worker count
@@ -194,7 +194,7 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         shm_cap = int(budget.shm_bytes * policy.shm_fraction // batch_bytes)
     return Estimate(
         batch_s=batch,
-        batch_tail_s=max(batch, tail),
+        batch_tail_s=sized,
         busy_s=busy,
         cpu_per_batch_s=cpu_per_batch,
         worker_cpus=worker_cpus,

@@ -184,6 +184,25 @@ class WindowStats:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+class _Welford:
+    """A running mean and variance, one value at a time (Welford's method)."""
+
+    __slots__ = ("m2", "mean", "n")
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    def sem(self) -> float:
+        """Standard error of the mean (0.0 below two values)."""
+        return math.sqrt(self.m2 / (self.n - 1) / self.n) if self.n > 1 else 0.0
+
+
 class _Accumulator:
     """Exact sums, running variances of the per-step wall, wait and busy time (Welford), and the most recent
     waits for quantiles and for the wait's standard error.
@@ -204,9 +223,7 @@ class _Accumulator:
         self.samples = 0
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
         self.startup = 0.0
-        self._mean = self._m2 = 0.0
-        self._wait_mean = self._wait_m2 = 0.0
-        self._busy_mean = self._busy_m2 = 0.0
+        self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
 
     def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
@@ -218,16 +235,9 @@ class _Accumulator:
         self.step += step
         self.other += other
         self.fetch_cpu += fetch_cpu
-        delta = wall - self._mean
-        self._mean += delta / self.steps
-        self._m2 += delta * (wall - self._mean)
-        delta = wait - self._wait_mean
-        self._wait_mean += delta / self.steps
-        self._wait_m2 += delta * (wait - self._wait_mean)
-        busy = step + other
-        delta = busy - self._busy_mean
-        self._busy_mean += delta / self.steps
-        self._busy_m2 += delta * (busy - self._busy_mean)
+        self._wall_var.add(wall)
+        self._wait_var.add(wait)
+        self._busy_var.add(step + other)
         self._waits.append(wait)
 
     def _wait_sem(self) -> float:
@@ -236,15 +246,13 @@ class _Accumulator:
             return 0.0
         size = max(1, min(math.isqrt(n), n // 3))
         if size == 1:
-            return math.sqrt(self._wait_m2 / (self.steps - 1) / self.steps) * _few(self.steps - 1)
+            return self._wait_var.sem() * _few(self.steps - 1)
         waits = list(self._waits)[len(self._waits) % size :]  # the most recent whole blocks
         means = [sum(waits[i : i + size]) / size for i in range(0, len(waits), size)]
         return _sem(means) * _few(len(means) - 1)
 
     def stats(self) -> WindowStats:
-        n = self.steps
-        sem = math.sqrt(self._m2 / (n - 1) / n) if n > 1 else 0.0
-        busy_sem = math.sqrt(self._busy_m2 / (n - 1) / n) * _few(n - 1) if n > 1 else 0.0
+        busy_sem = self._busy_var.sem() * _few(self.steps - 1) if self.steps > 1 else 0.0
         waits = sorted(self._waits)
         return WindowStats(
             steps=self.steps,
@@ -256,7 +264,7 @@ class _Accumulator:
             excluded_s=self.excluded,
             wait_p50_s=quantile(waits, 0.5),
             wait_p90_s=quantile(waits, 0.9),
-            wall_sem_s=sem,
+            wall_sem_s=self._wall_var.sem(),
             wait_sem_s=self._wait_sem(),
             busy_sem_s=busy_sem,
             fetch_cpu_s=self.fetch_cpu,
@@ -465,10 +473,11 @@ def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
     main = times.user + times.system
     children = times.children_user + times.children_system
     pids = descendants(proc.pid)
-    live = proc.children(recursive=True) if pids is None else pids
-    for child in live:
+    if pids is None:
+        pids = [child.pid for child in proc.children(recursive=True)]
+    for pid in pids:
         try:
-            ct = (psutil.Process(child) if isinstance(child, int) else child).cpu_times()
+            ct = psutil.Process(pid).cpu_times()
         except psutil.Error:  # gone since: reaped by this process, it is in this process's children times
             continue
         # what a live child reaped is its own: counted once, here (a live grandchild is counted in the walk)
