@@ -336,6 +336,7 @@ class DataLoaderTuner(Callback):
         )
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
+        self.probe.memory.measuring = self.state.probing_memory
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             behind = not self.agreement.distributed and change.failed is None  # one process: no step to agree on
             behind = behind and self.state.starts_behind(

@@ -75,6 +75,7 @@ class MemoryWatch:
         # per torch worker, 0.1 s for 16. The reads take at most CPU_SHARE of one CPU, the larger share once the
         # workers are near the budget (``pressure``: their latest total over the budget, set by the step's check).
         self.pressure = 1.0
+        self.measuring = False  # the window is there to read the workers' memory (its growth): the larger share
         self._read_s = 0.0
         self._lock = threading.Lock()
         self._samples: list[MemorySample] = []
@@ -126,8 +127,9 @@ class MemoryWatch:
 
     def next_interval(self) -> float:
         """Seconds to the next reading: ``interval_s``, stretched so that reading takes at most 2% of a CPU while
-        the workers hold under 3/4 of the budget, 10% above that."""
-        share = CPU_SHARE_NEAR if self.pressure >= 0.75 else CPU_SHARE_FAR
+        the workers hold under 3/4 of the budget, 10% above that or while :attr:`measuring` (a window that exists
+        to fit the workers' growth needs three readings or more: on a busy host at 2% it could get two)."""
+        share = CPU_SHARE_NEAR if self.pressure >= 0.75 or self.measuring else CPU_SHARE_FAR
         return max(self.interval_s, self._read_s / share)
 
     def _run(self) -> None:

@@ -98,6 +98,11 @@ class TuningState:
         self._cached_entry: dict[str, Any] | None = None
         self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
 
+    @property
+    def probing_memory(self) -> bool:
+        """Whether the running config's window is there to read its workers' memory before a far jump."""
+        return self._probing_memory
+
     # --- the loader ---------------------------------------------------------------------------------------------
     @property
     def switching(self) -> bool:

@@ -194,6 +194,9 @@ def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_FAR)  # 5 s: 2% of a CPU
     watch.pressure = 0.8
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # 1 s: 10% of a CPU
+    watch.pressure = 0.3
+    watch.measuring = True  # a window there to fit the workers' growth reads at the larger share
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)
     watch._read_s = 0.005
     assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s
 

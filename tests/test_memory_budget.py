@@ -4,6 +4,7 @@ the epoch when it is overrun. The workers' memory is sampled by the test itself,
 import collections
 from typing import ClassVar
 
+import lightning.pytorch as pl
 import pytest
 from test_in_epoch import EpochIndices, WorkersPerBatch
 
@@ -24,14 +25,25 @@ def exact_epochs(epochs, length):
     return all(collections.Counter(e) == collections.Counter(range(length)) for e in epochs)
 
 
+class MeasuringSpy(pl.Callback):
+    """At each batch: the running worker count and whether the tuner's memory readings run at the larger share."""
+
+    def __init__(self, tuner):
+        self.tuner, self.seen = tuner, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        current = self.tuner.state.current
+        self.seen.append((current.num_workers if current else None, self.tuner.probe.memory.measuring))
+
+
 @pytest.mark.timeout(240)
 def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp_path):
     dataset = PythonObjectsDataset()
     budget = 90 * MiB
     tuner = DataLoaderTuner(max_memory=budget)
-    record = EpochIndices()
+    record, spy = EpochIndices(), MeasuringSpy(tuner)
     with WorkerMemoryWatch() as watch:
-        trainer = make_trainer(tmp_path, [tuner, record], max_epochs=3, logger=False)
+        trainer = make_trainer(tmp_path, [tuner, record, spy], max_epochs=3, logger=False)
         trainer.fit(SimulatedModel(step_ms=10), datamodule=SyntheticDataModule(dataset, batch_size=16))
     assert exact_epochs(record.epochs, len(dataset))
     worked = [t for t in tuner.trials if t.settings.num_workers > 0]
@@ -39,6 +51,11 @@ def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp
     # the first jump measured a small config before going far: the process holds more than the budget
     assert worked[0].settings.num_workers <= 2, tuner.trials[0].decision
     assert "to measure a worker's memory" in tuner.trials[0].decision
+    # that window read its workers at the larger CPU share (set at the decision, a batch before its loader
+    # serves), and the configs after it did not
+    probe = worked[0].settings.num_workers
+    assert any(measuring for w, measuring in spy.seen if w == probe), spy.seen
+    assert not any(measuring for w, measuring in spy.seen if w > probe), spy.seen
     growth = max(t.stats.worker_mem_growth_bytes for t in worked)
     assert growth > 0, "the workers' copy-on-read growth was measured"
     # The bound: the budget, plus what one window (20 batches of 16 samples) can copy before it is acted on,
