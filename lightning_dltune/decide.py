@@ -342,9 +342,16 @@ def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
 
 
 def decide(
-    trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), remaining_steps: int | None = None
+    trials: Sequence[Trial],
+    budget: Budget,
+    policy: Policy = Policy(),
+    remaining_steps: int | None = None,
+    probed: bool = False,
 ) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, or settle.
+
+    ``probed``: the last trial was a smaller config tried to read its workers' memory before a far jump (see
+    ``Decision.probe_memory``); it was not expected to pay, so it not paying does not settle.
 
     ``remaining_steps`` (``None``: unknown) is how many training steps are left. When it is known, a config is
     only tried if the time it is predicted to save over those steps exceeds what starting its workers costs
@@ -389,7 +396,7 @@ def decide(
     if budget_spent:
         return Decision("settle", best.settings, f"tuning budget of {policy.max_trials} trials spent")
     earlier = [t for t in usable[:-1] if t.settings != last.settings]
-    if earlier:
+    if earlier and not probed:
         prev = min(earlier, key=lambda t: t.sec_per_sample)
         if last.sec_per_sample > prev.sec_per_sample * (1.0 - policy.min_gain):
             what = "more workers stopped paying"

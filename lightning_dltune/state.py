@@ -193,7 +193,7 @@ class TuningState:
             return down
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
-        return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps)
+        return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory)
 
     def handover_lead(self) -> int:
         """Batches the running config serves while a new loader starts behind it (``decide.handover_lead``)."""

@@ -288,6 +288,32 @@ def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
     assert not state.judge_early(stalled)  # plainly stalled, but its memory must be read first
 
 
+def test_a_config_tried_to_read_its_memory_need_not_pay_to_go_on():
+    # the probe was chosen smaller than the model wants: that it was no faster than 0 workers (its step slowed
+    # beside the worker, say) says nothing about the jump it was there to make safe
+    state = started()
+    budget = Budget(cpus=2.0, max_workers=16, memory_bytes=600 * 2**20)
+    zero = WindowStats(
+        steps=8, samples=128, wall_s=8 * 0.110, wait_s=8 * 0.100, step_s=8 * 0.010, main_mem_bytes=250 * 2**20
+    )
+    decision, _ = judge(state, zero, budget=budget)
+    assert decision.probe_memory
+    state.current = decision.settings
+    no_faster = WindowStats(
+        steps=20,
+        samples=320,
+        wall_s=20 * 0.108,
+        wait_s=20 * 0.098,
+        step_s=20 * 0.010,
+        worker_mem_bytes=20 * 2**20,
+        worker_mem_total_bytes=40 * 2**20,
+        worker_mem_base_bytes=20 * 2**20,
+        main_mem_bytes=250 * 2**20,
+    )
+    decision, _ = judge(state, no_faster, budget=budget)
+    assert decision.action == "try" and decision.settings.num_workers > 2, decision.reason
+
+
 def test_a_fit_that_ends_after_every_measured_config_failed_reports_the_fallback_it_runs():
     state = started(LoaderSettings.normalized(4, 2))
     budget = Budget(cpus=2.0, max_workers=16, memory_bytes=160 * 2**20)
