@@ -278,9 +278,28 @@ def serve_carried_iterator(loader: DataLoader, take: Callable[[DataLoader], Iter
 
     def get_iterator() -> Iterator[Any]:
         carried = take(loader)
-        return carried if carried is not None else create()
+        return carried if carried is not None else _reset_once_used(create())
 
     loader._get_iterator = get_iterator  # type: ignore[method-assign]
+
+
+def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
+    """Make a new persistent iterator ignore a reset asked before it yielded anything. Lightning calls
+    ``iter(loader)`` twice in an epoch that reloads its loader (``setup_data`` and the epoch loop), and for a
+    persistent loader the second call resets the iterator just created, whose workers were already handed the
+    epoch's first batches: the batch sampler would begin a second epoch, and draw its order (a run that never
+    reloaded draws one). Fresh, the iterator already is what the reset would make it."""
+    reset = getattr(iterator, "_reset", None)
+    if reset is None or not hasattr(iterator, "_num_yielded"):
+        return iterator
+
+    def reset_unless_fresh(loader: Any, first_iter: bool = False) -> None:
+        if first_iter or iterator._num_yielded > 0:  # type: ignore[attr-defined]
+            reset(loader, first_iter)
+        iterator._reset = reset  # type: ignore[attr-defined]  # once: later epochs reset as PyTorch does
+
+    iterator._reset = reset_unless_fresh  # type: ignore[attr-defined]
+    return iterator
 
 
 def release_iterator(loader: DataLoader) -> None:

@@ -168,3 +168,23 @@ def test_only_the_loader_switcher_uses_the_private_module():
             ):
                 users.append(path.name)
     assert sorted(set(users)) == ["loader.py"], users
+
+
+def test_a_new_persistent_iterator_asked_again_before_it_yielded_begins_one_epoch_not_two():
+    # Lightning calls iter(loader) twice in an epoch that reloads its loader; for a persistent loader the second
+    # call resets the iterator just created, whose workers were already handed the epoch's first batches
+    from lightning_dltune.switch import ResumableBatchSampler
+
+    sampler = ResumableBatchSampler(range(64), 4, False)
+    loader = DataLoader(list(range(64)), batch_sampler=sampler, num_workers=2, persistent_workers=True)
+    _lightning.serve_carried_iterator(loader, lambda loader: None)
+    try:
+        first = iter(loader)
+        assert iter(loader) is first and sampler._epoch_no == 1
+        assert [int(x) for x in next(first)] == [0, 1, 2, 3]
+        for _ in first:  # a whole epoch, then the next one resets as PyTorch does
+            pass
+        iter(loader)
+        assert sampler._epoch_no == 2
+    finally:
+        _lightning.shutdown_iterator(loader._iterator)
