@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader
 
 # (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
@@ -246,7 +247,9 @@ def shutdown_workers(loader: Any) -> None:
     """Stop ``loader``'s worker processes now (persistent ones included)."""
     from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
-    _shutdown_workers_and_reset_iterator(loader)
+    _even_if_one_dies(lambda: _shutdown_workers_and_reset_iterator(loader))
+    if getattr(loader, "_iterator", None) is not None:  # its reset is skipped when a worker died as it stopped
+        loader._iterator = None
 
 
 def shutdown_iterator(iterator: Iterator[Any]) -> None:
@@ -254,7 +257,20 @@ def shutdown_iterator(iterator: Iterator[Any]) -> None:
     so :func:`shutdown_workers` does not reach it)."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
+        _even_if_one_dies(shutdown)
+
+
+def _even_if_one_dies(shutdown: Callable[[], None]) -> None:
+    """Run ``shutdown``, letting a worker die while it stops: PyTorch's SIGCHLD handler raises that death into
+    the join (seen: a spawned worker aborting at exit, "terminate called without an active exception"), and its
+    own clean-up has already terminated the rest. Nothing such a worker held is used any more."""
+    from lightning_dltune.switch import is_worker_death
+
+    try:
         shutdown()
+    except RuntimeError as ex:
+        if not is_worker_death(ex):
+            raise
 
 
 def detach_from_sigchld(iterator: Iterator[Any]) -> None:
@@ -270,15 +286,34 @@ def detach_from_sigchld(iterator: Iterator[Any]) -> None:
         iterator._worker_pids_set = False  # type: ignore[attr-defined]
 
 
-def serve_carried_iterator(loader: DataLoader, take: Callable[[DataLoader], Iterator[Any] | None]) -> None:
+def serve_carried_iterator(
+    loader: DataLoader,
+    take: Callable[[DataLoader], Iterator[Any] | None],
+    draws_base: Callable[[], bool] = lambda: True,
+) -> None:
     """Make ``iter(loader)`` start from ``take(loader)`` when it returns an iterator (one carried over from the last
     epoch), creating one as PyTorch does otherwise. ``DataLoader.__iter__`` calls ``self._get_iterator()`` for a
-    new iterator, and for a persistent loader only while ``_iterator`` is ``None`` (see :func:`release_iterator`)."""
+    new iterator, and for a persistent loader only while ``_iterator`` is ``None`` (see :func:`release_iterator`).
+
+    A new iterator draws its workers' base seed from the loader's generator (or the global random state) only when
+    ``draws_base()``: a run without the tuner makes that draw when it creates an iterator, which a persistent
+    user loader does once. The new iterator is kept as created (see :func:`keeps_fresh_iterator`), so what it drew
+    is this epoch's own."""
     create = type(loader)._get_iterator.__get__(loader)
 
     def get_iterator() -> Iterator[Any]:
         carried = take(loader)
-        return carried if carried is not None else _reset_once_used(create())
+        if carried is not None:
+            return carried
+        if draws_base():
+            return _reset_once_used(create())
+        generator = loader.generator
+        loader.generator = None  # the base seed comes from the global state, which fork_rng puts back
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return _reset_once_used(create())
+        finally:
+            loader.generator = generator
 
     loader._get_iterator = get_iterator  # type: ignore[method-assign]
 
@@ -300,6 +335,14 @@ def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
 
     iterator._reset = reset_unless_fresh  # type: ignore[attr-defined]
     return iterator
+
+
+def keeps_fresh_iterator(loader: Any) -> bool:
+    """True when ``loader`` holds a new iterator that the next ``iter(loader)`` keeps as it is (see
+    :func:`_reset_once_used`): what it drew when it was created (its base seed, the epoch's order) is final."""
+    iterator = getattr(loader, "_iterator", None)
+    reset = getattr(iterator, "_reset", None)
+    return getattr(reset, "__name__", "") == "reset_unless_fresh" and getattr(iterator, "_num_yielded", 1) == 0
 
 
 def release_iterator(loader: DataLoader) -> None:

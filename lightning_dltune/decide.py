@@ -86,10 +86,28 @@ class Trial:
     def sec_per_sample(self) -> float:
         return self.stats.wall_s / self.stats.samples if self.stats.samples else math.inf
 
+    def _compared_step(self) -> tuple[float, float]:
+        """The time per step configs are compared on and its standard error: the host's, the slowest block of
+        steps left out (``WindowStats.wall_trim_s``), or the GPU's where its timeline read most of the window and
+        it is the slower: a host that queues work ahead of the GPU measures its own pace, not the run's. The plain
+        mean where neither was measured (a window from an older cache)."""
+        s = self.stats
+        host = (s.wall_trim_s, s.wall_trim_sem_s) if s.wall_trim_s > 0 else (s.mean_wall_s, s.wall_sem_s)
+        if s.gpu_wall_trim_s > host[0] and s.gpu_steps * 2 >= s.steps:
+            return s.gpu_wall_trim_s, s.gpu_wall_trim_sem_s
+        return host
+
+    @property
+    def compared_sec_per_sample(self) -> float:
+        """The time per sample configs are compared on (see :meth:`_compared_step`)."""
+        s = self.stats
+        return self._compared_step()[0] * s.steps / s.samples if s.samples else math.inf
+
     @property
     def rel_sem(self) -> float:
-        mean = self.stats.mean_wall_s
-        return self.stats.wall_sem_s / mean if mean > 0 else 0.0
+        """The relative standard error of :attr:`compared_sec_per_sample`."""
+        mean, err = self._compared_step()
+        return err / mean if mean > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -281,23 +299,24 @@ def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
 
 def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
     """The cheapest usable trial whose time per sample is within measured noise of the fastest one; the starting
-    config unless that one is faster than it beyond noise (by ``min_gain`` at least)."""
+    config unless that one is faster than it beyond noise (by ``min_gain`` at least). Times and their noise leave
+    each window's slowest block of steps out (:attr:`Trial.compared_sec_per_sample`)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
-    fastest = min(usable, key=lambda t: t.sec_per_sample)
+    fastest = min(usable, key=lambda t: t.compared_sec_per_sample)
 
     def close(t: Trial) -> bool:
         # measured noise, but never so wide that a config slower by `min_gain` counts as equal
         tol = min(max(policy.noise_floor, 2.0 * math.hypot(t.rel_sem, fastest.rel_sem)), policy.min_gain)
-        return t.sec_per_sample <= fastest.sec_per_sample * (1.0 + tol)
+        return t.compared_sec_per_sample <= fastest.compared_sec_per_sample * (1.0 + tol)
 
-    best = min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.sec_per_sample))
+    best = min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.compared_sec_per_sample))
     start = trials[0]
     if best is start or not start.usable:
         return best
     # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
-    a, b = start.sec_per_sample, best.sec_per_sample
+    a, b = start.compared_sec_per_sample, best.compared_sec_per_sample
     noise = 2.0 * math.hypot(a * start.rel_sem, b * best.rel_sem)
     return best if a - b > max(policy.min_gain * a, noise) else start
 
@@ -397,8 +416,8 @@ def decide(
         return Decision("settle", best.settings, f"tuning budget of {policy.max_trials} trials spent")
     earlier = [t for t in usable[:-1] if t.settings != last.settings]
     if earlier and not probed:
-        prev = min(earlier, key=lambda t: t.sec_per_sample)
-        if last.sec_per_sample > prev.sec_per_sample * (1.0 - policy.min_gain):
+        prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
+        if last.compared_sec_per_sample > prev.compared_sec_per_sample * (1.0 - policy.min_gain):
             what = "more workers stopped paying"
             if last.settings.pin_memory != prev.settings.pin_memory:
                 what = "pinned memory did not pay"

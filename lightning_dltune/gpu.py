@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lightning_dltune._stats import trimmed_mean_sem
+
 
 class Event(Protocol):
     """What :class:`GpuTimeline` needs of an event (a thin view of ``torch.cuda.Event``)."""
@@ -83,6 +85,10 @@ class GpuStats:
     copy_s: float = 0.0
     other_s: float = 0.0
     step_s: float = 0.0
+    # the GPU's time per step (idle, copy, other, step) and its standard error, the slowest block of steps left
+    # out (:func:`lightning_dltune._stats.trimmed_mean_sem`)
+    wall_trim_s: float = 0.0
+    wall_trim_sem_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -122,6 +128,7 @@ class _Sums:
     def __init__(self) -> None:
         self.steps = 0
         self.idle = self.copy = self.other = self.step = 0.0
+        self.walls: deque[float] = deque(maxlen=20_000)
 
     def add(self, idle: float, copy: float, other: float, step: float) -> None:
         self.steps += 1
@@ -129,9 +136,11 @@ class _Sums:
         self.copy += copy
         self.other += other
         self.step += step
+        self.walls.append(idle + copy + other + step)
 
     def stats(self) -> GpuStats:
-        return GpuStats(self.steps, self.idle, self.copy, self.other, self.step)
+        trim, trim_sem = trimmed_mean_sem(self.walls)
+        return GpuStats(self.steps, self.idle, self.copy, self.other, self.step, trim, trim_sem)
 
 
 class GpuTimeline:

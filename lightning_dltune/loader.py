@@ -212,8 +212,9 @@ class LoaderSwitcher:
                 )
             return {}
         resume, self.restored_position = self.restored_position, None
+        exhaust = (self.state.start or LoaderSettings.from_loader(loader)).num_workers > 0  # as the user's loader
         return {
-            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last, resume),
+            "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last, resume, exhaust),
             "batch_size": 1,
             # no `shuffle`: Lightning then reads it from batch_sampler.sampler when it injects its
             # DistributedSampler (an explicit False would turn shuffling off under DDP)
@@ -420,13 +421,18 @@ class LoaderSwitcher:
         epoch's sample order depends on the seed and the epoch, not on what the tuner did.
 
         A loader built for this epoch already created its iterator (drawing a base seed, and for persistent
-        workers the epoch's order too): undo that. A persistent iterator that is reset instead of recreated
-        skips the base-seed draw a new iterator makes: make it, if the user's own loader would have.
+        workers the epoch's order too): undo that, since the epoch loop's ``iter()`` resets it and draws again.
+        A persistent iterator that is reset instead of recreated skips the base-seed draw a new iterator makes:
+        make it, if the user's own loader would have. With seamless epochs on, a new iterator is not reset (see
+        ``_lightning.keeps_fresh_iterator``) and drew only what this epoch draws (``Seamless.draws_base``): its
+        draws stand.
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
         loader = trainer.train_dataloader if trainer is not None else None
         if trainer is None or trainer.current_epoch == 0 or start is None or not isinstance(loader, DataLoader):
+            return
+        if _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it: its draws are final
             return
         if saved is not None:
             torch.set_rng_state(saved[0])

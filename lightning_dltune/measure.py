@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from lightning_dltune._stats import block_means, block_size, few, sem, trimmed_mean_sem
 from lightning_dltune.gpu import GpuStats
 from lightning_dltune.memory import WorkerMemory
 
@@ -48,6 +49,10 @@ class WindowStats:
     wait_p50_s: float = 0.0
     wait_p90_s: float = 0.0
     wall_sem_s: float = 0.0
+    # the mean wall per step and its standard error with the slowest block of steps left out (see _Accumulator):
+    # what configs are compared on (0.0: not measured, e.g. a window read from an older cache)
+    wall_trim_s: float = 0.0
+    wall_trim_sem_s: float = 0.0
     wait_sem_s: float = 0.0  # standard error of the mean per-step wait (batch means, widened: see _Accumulator)
     busy_sem_s: float = 0.0  # standard error of the mean per-step busy time (step and other)
     fetch_cpu_s: float = 0.0
@@ -66,6 +71,8 @@ class WindowStats:
     gpu_copy_s: float = 0.0  # host-to-device copy as the GPU saw it
     gpu_other_s: float = 0.0  # the GPU idle while the host did other work between steps
     gpu_step_s: float = 0.0  # the steps as the GPU ran them
+    gpu_wall_trim_s: float = 0.0  # the GPU's time per step, the slowest block of steps left out
+    gpu_wall_trim_sem_s: float = 0.0
 
     @property
     def stall_frac(self) -> float:
@@ -75,7 +82,15 @@ class WindowStats:
     @property
     def gpu(self) -> GpuStats:
         """The ``gpu_*`` fields as :class:`~lightning_dltune.gpu.GpuStats` (no steps without a GPU timeline)."""
-        return GpuStats(self.gpu_steps, self.gpu_idle_s, self.gpu_copy_s, self.gpu_other_s, self.gpu_step_s)
+        return GpuStats(
+            self.gpu_steps,
+            self.gpu_idle_s,
+            self.gpu_copy_s,
+            self.gpu_other_s,
+            self.gpu_step_s,
+            self.gpu_wall_trim_s,
+            self.gpu_wall_trim_sem_s,
+        )
 
     @property
     def gpu_stall_frac(self) -> float | None:
@@ -169,6 +184,8 @@ class WindowStats:
             gpu_copy_s=gpu.copy_s,
             gpu_other_s=gpu.other_s,
             gpu_step_s=gpu.step_s,
+            gpu_wall_trim_s=gpu.wall_trim_s,
+            gpu_wall_trim_sem_s=gpu.wall_trim_sem_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,14 +222,8 @@ class _Welford:
 
 class _Accumulator:
     """Exact sums, running variances of the per-step wall, wait and busy time (Welford), and the most recent
-    waits for quantiles and for the wait's standard error.
-
-    Waits are not independent from step to step: ``w`` workers deliver their batches in turn, so a window on
-    2 workers often alternates between no wait and a long one. The wait's standard error is therefore taken
-    over batch means (blocks of ``floor(sqrt(n))`` consecutive steps, at least 3 blocks): alternating waits
-    average out inside a block, while a trend that lasts across blocks still shows. Taken over a few steps or
-    blocks, the error is widened as Student's t widens an interval (2.2x over 3 steps, 1.15x over 10
-    blocks); the busy time's error too."""
+    waits and walls for quantiles and for the standard errors of their means, taken over blocks of steps and
+    widened for the few steps or blocks they come from (:mod:`lightning_dltune._stats`)."""
 
     def __init__(self, tail_size: int) -> None:
         self.tail_size = tail_size
@@ -225,6 +236,7 @@ class _Accumulator:
         self.startup = 0.0
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
+        self._walls: deque[float] = deque(maxlen=self.tail_size)
 
     def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
         wall = wait + step + other
@@ -239,21 +251,21 @@ class _Accumulator:
         self._wait_var.add(wait)
         self._busy_var.add(step + other)
         self._waits.append(wait)
+        self._walls.append(wall)
 
-    def _wait_sem(self) -> float:
-        n = min(self.steps, len(self._waits))  # past the tail's size: over the waits it still holds
+    def _block_sem(self, recent: deque[float], var: _Welford) -> float:
+        n = min(self.steps, len(recent))  # past the tail's size: over the values it still holds
         if n < 2:
             return 0.0
-        size = max(1, min(math.isqrt(n), n // 3))
-        if size == 1:
-            return self._wait_var.sem() * _few(self.steps - 1)
-        waits = list(self._waits)[len(self._waits) % size :]  # the most recent whole blocks
-        means = [sum(waits[i : i + size]) / size for i in range(0, len(waits), size)]
-        return _sem(means) * _few(len(means) - 1)
+        if block_size(n) == 1:
+            return var.sem() * few(self.steps - 1)
+        means = block_means(recent)
+        return sem(means) * few(len(means) - 1)
 
     def stats(self) -> WindowStats:
-        busy_sem = self._busy_var.sem() * _few(self.steps - 1) if self.steps > 1 else 0.0
+        busy_sem = self._busy_var.sem() * few(self.steps - 1) if self.steps > 1 else 0.0
         waits = sorted(self._waits)
+        trim, trim_sem = trimmed_mean_sem(self._walls)
         return WindowStats(
             steps=self.steps,
             samples=self.samples,
@@ -264,29 +276,14 @@ class _Accumulator:
             excluded_s=self.excluded,
             wait_p50_s=quantile(waits, 0.5),
             wait_p90_s=quantile(waits, 0.9),
-            wall_sem_s=self._wall_var.sem(),
-            wait_sem_s=self._wait_sem(),
+            wall_sem_s=self._block_sem(self._walls, self._wall_var),
+            wall_trim_s=trim,
+            wall_trim_sem_s=trim_sem,
+            wait_sem_s=self._block_sem(self._waits, self._wait_var),
             busy_sem_s=busy_sem,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
         )
-
-
-_T975 = (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)  # Student's t, 97.5%, 1-9 degrees of freedom
-
-
-def _few(dof: int) -> float:
-    """How much wider a confidence interval on ``dof`` degrees of freedom is than the normal one (Student's t):
-    a standard error taken over a few steps or blocks is itself uncertain."""
-    t = _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.4 / dof
-    return t / 1.96
-
-
-def _sem(values: list[float]) -> float:
-    """Standard error of the mean of ``values`` (at least two)."""
-    k = len(values)
-    mean = sum(values) / k
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (k - 1) / k)
 
 
 def quantile(sorted_values: list[float], q: float) -> float:

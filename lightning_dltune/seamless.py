@@ -47,9 +47,10 @@ class Seamless:
         epoch: the running epoch (``trainer.current_epoch``).
         base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
             persistent), drawing a base seed from the loader's generator.
-        serve: ``serve(loader, take)`` makes ``iter(loader)`` start from ``take(loader)`` when that returns an
-            iterator; ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)``
-            stops an iterator's workers unless the loader holds it (the loader switcher passes
+        serve: ``serve(loader, take, draws_base)`` makes ``iter(loader)`` start from ``take(loader)`` when that
+            returns an iterator, and a new iterator draw its base seed only when ``draws_base()``;
+            ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)`` stops
+            an iterator's workers unless the loader holds it (the loader switcher passes
             ``lightning_dltune._lightning``'s).
 
     Attributes:
@@ -61,7 +62,7 @@ class Seamless:
         setting: bool | str = "auto",
         epoch: Callable[[], int] = lambda: 0,
         base_draws: Callable[[], bool] = lambda: True,
-        serve: Callable[[DataLoader, Callable[[DataLoader], Iterator[Any] | None]], None] = lambda loader, take: None,
+        serve: Callable[..., None] = lambda loader, take, draws_base: None,
         release: Callable[[DataLoader], None] = lambda loader: None,
         shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
     ) -> None:
@@ -112,7 +113,13 @@ class Seamless:
         else:
             sampler.seamless = False
         if why is None:
-            self._serve(loader, self._take)
+            self._serve(loader, self._take, self.draws_base)
+
+    def draws_base(self) -> bool:
+        """Whether a new iterator of the loader draws its workers' base seed from the user's random state now: a
+        run without the tuner creates an iterator, drawing one, in its first epoch and, unless its loader is
+        persistent, in every epoch."""
+        return self.epoch() == 0 or self.base_draws()
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
         sampler = batches.sampler

@@ -45,9 +45,18 @@ class ResumableBatchSampler(BatchSampler):
     """
 
     def __init__(
-        self, sampler: Any, batch_size: int, drop_last: bool, resume_epoch: tuple[int, int] | None = None
+        self,
+        sampler: Any,
+        batch_size: int,
+        drop_last: bool,
+        resume_epoch: tuple[int, int] | None = None,
+        exhaust: bool = False,
     ) -> None:
         super().__init__(sampler, batch_size, drop_last)
+        # whether each epoch's draw goes on to the sampler's end, as the user's loader does when it has workers (their
+        # prefetch asks past the last batch): a RandomSampler with a generator then draws one more permutation, and
+        # every later epoch's order depends on that draw. A constructor argument, like `resume_epoch`
+        self.exhaust = exhaust
         self._order: array | None = None
         self._resume: int | None = None
         # (epoch, batch): the first iteration draws epoch `epoch`'s order from an epoch-seeded sampler (a
@@ -147,11 +156,15 @@ class ResumableBatchSampler(BatchSampler):
         return drawn
 
     def _draw(self) -> array:
-        # exactly the batches an epoch consumes, and no further: a RandomSampler with a generator draws one more
-        # permutation when it is iterated past its end, which a loop that stops at the epoch's length never does
+        # exactly the batches an epoch consumes; past them only with `exhaust`: a RandomSampler with a generator draws
+        # one more permutation when it is iterated past its end, which a loader without workers (it stops at the
+        # epoch's length) never does, and one with workers always does, however many batches it has in flight
         order = array("q")
-        for batch in islice(super().__iter__(), len(self)):
+        batches = super().__iter__()
+        for batch in islice(batches, len(self)):
             order.extend(batch)
+        if self.exhaust:
+            next(batches, None)
         return order
 
     def resume_at(self, batch: int) -> None:

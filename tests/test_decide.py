@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best, verify_cached
@@ -228,6 +230,29 @@ def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
 )
 def test_moving_away_from_the_starting_config_needs_a_win_beyond_noise(start, other, winner):
     assert pick_best([start, other]).settings.num_workers == winner
+
+
+def on_gpu(t, host_ms, host_sem_ms, gpu_ms):
+    """``t`` with a host whose time per step is ``host_ms`` (trimmed) and a GPU timeline that read every step."""
+    stats = replace(
+        t.stats,
+        wall_trim_s=host_ms / 1e3,
+        wall_trim_sem_s=host_sem_ms / 1e3,
+        gpu_steps=t.stats.steps,
+        gpu_wall_trim_s=gpu_ms / 1e3,
+        gpu_wall_trim_sem_s=0.01 / 1e3,
+    )
+    return Trial(t.settings, stats)
+
+
+def test_a_host_running_ahead_of_the_gpu_is_compared_on_the_gpus_time():
+    # 11 ms of GPU time per step, 7 ms with pinned copies; the host queues work ahead and measures its own pace,
+    # noisy (the queue fills, then the host blocks): on the host's time the gain is within noise
+    start = on_gpu(trial(0, 0.3, 3.2), 3.5, 1.5, 11.0)
+    pinned = Trial(replace(cfg(0), pin_memory=True), on_gpu(trial(0, 0.3, 1.1), 1.4, 0.05, 7.0).stats)
+    assert pick_best([start, pinned]) is pinned
+    # a GPU that waits for the host: the host's time is the run's, whatever the GPU measured
+    assert on_gpu(trial(0, 0.3, 3.2), 3.5, 0.1, 2.0).compared_sec_per_sample == pytest.approx(3.5e-3 / 16)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 import os
 import signal
-from itertools import pairwise
+from itertools import islice, pairwise
 
 import lightning.pytorch as pl
 import psutil
@@ -45,11 +45,29 @@ def test_resume_at_every_position(drop_last):
         rbs.resume_at(len(rbs) + 1)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_epoch_draws_from_the_generator_what_the_users_loader_draws(workers):
+    # a loader with workers asks its sampler past the epoch's last batch (their prefetch), and a RandomSampler with
+    # a generator then draws one more permutation: the next epoch's order depends on it
+    def orders(loader):  # as Lightning's loop takes them: it stops at the loader's length
+        return [[i for b in islice(loader, len(loader)) for i in b.tolist()] for _ in range(3)]
+
+    kw = dict(num_workers=workers, persistent_workers=workers > 0)
+    plain = orders(DataLoader(range(24), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5), **kw))
+    g = torch.Generator().manual_seed(5)
+    rbs = ResumableBatchSampler(RandomSampler(range(24), generator=g), 4, False, exhaust=workers > 0)
+    assert orders(DataLoader(range(24), batch_sampler=rbs, generator=g, **kw)) == plain
+    g = torch.Generator().manual_seed(5)
+    rbs = ResumableBatchSampler(RandomSampler(range(24), generator=g), 4, False, exhaust=workers == 0)
+    assert orders(DataLoader(range(24), batch_sampler=rbs, generator=g, **kw))[1:] != plain[1:]
+
+
 def test_lightning_can_still_inject_its_distributed_sampler():
     with recording():
-        dl = DataLoader(list(range(20)), batch_sampler=ResumableBatchSampler(RandomSampler(range(20)), 4, False))
+        rbs = ResumableBatchSampler(RandomSampler(range(20)), 4, False, exhaust=True)
+        dl = DataLoader(list(range(20)), batch_sampler=rbs)
     ddp = _update_dataloader(dl, DistributedSampler(list(range(20)), num_replicas=2, rank=1, shuffle=False))
-    assert isinstance(ddp.batch_sampler, ResumableBatchSampler)
+    assert isinstance(ddp.batch_sampler, ResumableBatchSampler) and ddp.batch_sampler.exhaust
     assert [i for b in ddp.batch_sampler for i in b] == list(range(1, 20, 2))
 
 

@@ -188,3 +188,25 @@ def test_a_new_persistent_iterator_asked_again_before_it_yielded_begins_one_epoc
         assert sampler._epoch_no == 2
     finally:
         _lightning.shutdown_iterator(loader._iterator)
+
+
+def _abort_at_exit(worker_id):
+    import multiprocessing.util
+    import os
+
+    multiprocessing.util.Finalize(None, os.abort, exitpriority=0)  # as a worker that aborts while it exits
+
+
+def test_a_worker_that_dies_while_it_is_stopped_does_not_fail_the_shutdown():
+    # PyTorch's SIGCHLD handler raises the death into the join ("killed by signal: Aborted"); the loader must still
+    # let go of the stopped iterator, so the next iter() starts new workers
+    loader = DataLoader(
+        list(range(16)), batch_size=4, num_workers=2, persistent_workers=True, worker_init_fn=_abort_at_exit
+    )
+    next(iter(loader))
+    _lightning.shutdown_workers(loader)
+    assert loader._iterator is None
+    it = iter(loader)
+    next(it)
+    _lightning.shutdown_iterator(it)
+    assert it._shutdown

@@ -4,8 +4,10 @@ import time
 import pytest
 import torch
 
+from lightning_dltune.decide import Trial, pick_best
 from lightning_dltune.measure import StepTimer, WindowStats, descendants, process_cpu_seconds, quantile
 from lightning_dltune.probe import batch_size
+from lightning_dltune.settings import LoaderSettings
 
 
 class FakeClock:
@@ -120,6 +122,40 @@ def test_alternating_waits_from_two_workers_are_plainly_a_stall(timer_and_clock)
     assert s.stall_frac == pytest.approx(35 / 49)
     assert s.wait_sem_s == pytest.approx(0.0, abs=1e-12)  # blocks of 2 steps, each the same
     assert s.stall_lower_bound() == pytest.approx(35 / 49)
+
+
+def test_a_window_of_alternating_waits_is_steady_so_a_config_twice_as_fast_is_kept(timer_and_clock):
+    # the run starts on 2 workers (6 steps: waits alternate, as in the test above), then 10 workers are twice as
+    # fast. Step by step the first window's wall looks as noisy as the gain is large; block by block it is steady
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.0, 0.0, 0.010, 0.0), (0.060, 0.0, 0.010, 0.0)] * 3)
+    two = timer.take_window()
+    run_steps(timer, clock, [(0.010, 0.0, 0.010, 0.0), (0.008, 0.0, 0.011, 0.0)] * 4)
+    ten = timer.take_window()
+    assert two.wall_sem_s == pytest.approx(0.0, abs=1e-12)  # blocks of 2 steps, each the same
+    start, faster = Trial(LoaderSettings(2, 2), two), Trial(LoaderSettings(10, 2), ten)
+    assert pick_best([start, faster]) is faster
+
+
+def window(timer, clock, walls_ms):
+    run_steps(timer, clock, [(0.0, 0.0, w / 1e3, 0.0) for w in walls_ms])
+    return timer.take_window()
+
+
+def test_one_step_slowed_from_outside_neither_hides_a_gain_nor_makes_one(timer_and_clock):
+    # 25 steps of 11 ms, then of 7 ms (pinned copies): one 150 ms step (a collector's pause, a busy host) in the
+    # first window would make its error as large as the gain; left out with its block, the gain stands
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    slow = window(timer, clock, [11.0] * 12 + [150.0] + [11.0] * 12)
+    pinned = window(timer, clock, [7.0] * 25)
+    assert slow.wall_trim_s == pytest.approx(0.011) and slow.wall_sem_s > 0.005
+    start, faster = Trial(LoaderSettings(0), slow), Trial(LoaderSettings(0, pin_memory=True), pinned)
+    assert pick_best([start, faster]) is faster
+    # the same pause in the start's window does not make an equal config look faster
+    same = Trial(LoaderSettings(2, 2), window(timer, clock, [11.0] * 25))
+    assert pick_best([start, same]) is start
 
 
 def test_a_trend_across_blocks_keeps_the_wait_uncertain(timer_and_clock):

@@ -67,13 +67,31 @@ def fit(
     return record
 
 
-def test_tuned_with_seamless_epochs_every_epoch_trains_what_an_untuned_run_trains(tmp_path):
-    untuned = fit(tmp_path / "untuned", [], epochs=5)
+@pytest.fixture(scope="module")
+def untuned_5(tmp_path_factory):
+    return fit(tmp_path_factory.mktemp("untuned"), [], epochs=5)
+
+
+def test_tuned_with_seamless_epochs_every_epoch_trains_what_an_untuned_run_trains(tmp_path, untuned_5):
+    untuned = untuned_5
     tuner = DataLoaderTuner()
     tuned = fit(tmp_path / "tuned", [tuner], epochs=5)
     trials = [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.trials]
     assert tuner.switcher.seamless.carried >= 1, trials
     assert tuned.epochs == untuned.epochs, ([e[:4] for e in tuned.epochs], [e[:4] for e in untuned.epochs], trials)
+
+
+@pytest.mark.parametrize("workers", [0, 2])  # the user's loader creates an iterator every epoch, or once
+def test_a_loader_built_anew_for_every_epoch_trains_what_an_untuned_run_trains(tmp_path, untuned_5, workers):
+    # Lightning builds the train loader again every epoch (the user's reload flag): each epoch's loader creates its
+    # iterator, and its workers are handed that epoch's first batches (the order drawn) before on_train_epoch_start.
+    # A persistent user loader draws its workers' base seed from the generator once, a new loader every epoch
+    untuned = untuned_5 if workers == 0 else fit(tmp_path / "untuned", [], epochs=5, workers=workers)
+    tuner = DataLoaderTuner()
+    reload = {"reload_dataloaders_every_n_epochs": 1}
+    tuned = fit(tmp_path / "tuned", [tuner], epochs=5, workers=workers, trainer_kw=reload)
+    assert tuned.epochs == untuned.epochs, described(tuner)
+    assert tuner.best_settings["num_workers"] > workers, described(tuner)
 
 
 def test_the_next_epoch_is_loaded_while_this_one_ends_and_without_it_every_epoch_waits(tmp_path):
