@@ -275,7 +275,9 @@ def test_on_a_gpu_the_host_stall_closes_a_window_only_after_min_steps():
     assert state.judge_early(longer, on_gpu=True)
 
 
-def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
+def probing_memory():
+    """A state whose first window (0 workers, 100 ms waits, the process's memory known) chose a small config to
+    read a worker's memory before a far jump, now running it; and the budget it was judged on."""
     state = started()
     budget = Budget(cpus=2.0, max_workers=16, memory_bytes=600 * 2**20)
     zero = WindowStats(
@@ -284,6 +286,11 @@ def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
     decision, _ = judge(state, zero, budget=budget)
     assert decision.probe_memory and decision.settings.num_workers == 2
     state.current = decision.settings
+    return state, budget
+
+
+def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
+    state, _ = probing_memory()
     stalled = WindowStats(steps=3, samples=48, wall_s=3 * 0.060, wait_s=3 * 0.055, step_s=3 * 0.005)
     assert not state.judge_early(stalled)  # plainly stalled, but its memory must be read first
 
@@ -291,14 +298,7 @@ def test_a_window_that_reads_a_smaller_configs_memory_is_never_cut_short():
 def test_a_config_tried_to_read_its_memory_need_not_pay_to_go_on():
     # the probe was chosen smaller than the model wants: that it was no faster than 0 workers (its step slowed
     # beside the worker, say) says nothing about the jump it was there to make safe
-    state = started()
-    budget = Budget(cpus=2.0, max_workers=16, memory_bytes=600 * 2**20)
-    zero = WindowStats(
-        steps=8, samples=128, wall_s=8 * 0.110, wait_s=8 * 0.100, step_s=8 * 0.010, main_mem_bytes=250 * 2**20
-    )
-    decision, _ = judge(state, zero, budget=budget)
-    assert decision.probe_memory
-    state.current = decision.settings
+    state, budget = probing_memory()
     no_faster = WindowStats(
         steps=20,
         samples=320,
