@@ -331,8 +331,9 @@ class DataLoaderTuner(Callback):
         running = self.probe.held_bytes(self.state.current)  # before the window's close takes the readings
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
+        in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
         stats, budget, decision = self.agreement.decide(
-            stats, self.budget, lambda s, b, f: self.state.decide(s, b, left, f), self.state.unagreed
+            stats, self.budget, lambda s, b, f: self.state.decide(s, b, left, f, in_epoch), self.state.unagreed
         )
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)

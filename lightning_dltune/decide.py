@@ -66,6 +66,9 @@ class Policy:
     burst_ratio: float = 4.0
     worker_mem_prior: float = 64 * 2**20  # bytes per worker assumed before one was measured
     startup_prior_s: float = 0.05  # seconds to start one worker (and fill its pipeline) before one was measured
+    # seconds the training process spends receiving a batch from a worker (the queue, unpickling, mapping its shared
+    # memory) before one was measured: 1.0-1.5 ms for a two-tensor batch on the 2-CPU machine of BENCHMARKS.md
+    handover_prior_s: float = 1e-3
     shm_fraction: float = 0.5  # share of free /dev/shm that batches in flight may take
 
 
@@ -86,16 +89,16 @@ class Trial:
     def sec_per_sample(self) -> float:
         return self.stats.wall_s / self.stats.samples if self.stats.samples else math.inf
 
-    def _compared_step(self) -> tuple[float, float]:
-        """The time per step configs are compared on and its standard error: the host's, the slowest block of
-        steps left out (``WindowStats.wall_trim_s``), or the GPU's where its timeline read most of the window and
-        it is the slower: a host that queues work ahead of the GPU measures its own pace, not the run's. The plain
-        mean where neither was measured (a window from an older cache)."""
+    def _compared_step(self) -> tuple[float, float, bool]:
+        """The time per step configs are compared on, its standard error, and whether it is the GPU's: the host's,
+        the slowest block of steps left out (``WindowStats.wall_trim_s``), or the GPU's where its timeline read most
+        of the window and it is the slower: a host that queues work ahead of the GPU measures its own pace, not the
+        run's. The plain mean where neither was measured (a window from an older cache)."""
         s = self.stats
         host = (s.wall_trim_s, s.wall_trim_sem_s) if s.wall_trim_s > 0 else (s.mean_wall_s, s.wall_sem_s)
         if s.gpu_wall_trim_s > host[0] and s.gpu_steps * 2 >= s.steps:
-            return s.gpu_wall_trim_s, s.gpu_wall_trim_sem_s
-        return host
+            return s.gpu_wall_trim_s, s.gpu_wall_trim_sem_s, True
+        return *host, False
 
     @property
     def compared_sec_per_sample(self) -> float:
@@ -106,8 +109,43 @@ class Trial:
     @property
     def rel_sem(self) -> float:
         """The relative standard error of :attr:`compared_sec_per_sample`."""
-        mean, err = self._compared_step()
+        mean, err, _ = self._compared_step()
         return err / mean if mean > 0 else 0.0
+
+    @property
+    def on_host(self) -> bool:
+        """Whether :attr:`compared_sec_per_sample` is the host's time (not the GPU's)."""
+        return not self._compared_step()[2]
+
+
+def faster_by(a: Trial, b: Trial) -> tuple[float, float]:
+    """How much less time per sample ``b`` takes than ``a``, and the noise on that difference (two standard errors).
+
+    Where both are read on the host and ``b``'s busy time (the step and the host work between steps, the slowest
+    block of steps left out) is not longer than ``a``'s beyond noise, the difference is their wait for data, plus
+    only what ``b``'s step is shorter beyond its noise. The busy time is the model's: a config changes it only
+    beyond noise (loading in the training process slows its step down, workers contending for its CPUs do too),
+    while its noise (a shared host, a sleep's overshoot: a 40 ms step measured in phases of 50 and 60 ms here) is
+    alike for both configs and, taken in full, would hide the difference the loader makes. Elsewhere the compared
+    times (:attr:`Trial.compared_sec_per_sample`) and both their errors."""
+    sa, sb = a.stats, b.stats
+    if a.on_host and b.on_host and sa.samples and sb.samples:
+        ka, kb = sa.steps / sa.samples, sb.steps / sb.samples  # steps per sample
+        (busy_a, sem_a), (busy_b, sem_b) = (_busy(s) for s in (sa, sb))
+        busy_noise = 2.0 * math.hypot(sem_a, sem_b)
+        if busy_b <= busy_a + busy_noise:
+            busy = busy_a - max(0.0, busy_a - busy_b - busy_noise)  # a's, less b's advantage beyond noise
+            gain = (sa.mean_wait_s + busy_a) * ka - (sb.mean_wait_s + busy) * kb
+            return gain, 2.0 * math.hypot(sa.wait_sem_s * ka, sb.wait_sem_s * kb)
+    ta, tb = a.compared_sec_per_sample, b.compared_sec_per_sample
+    return ta - tb, 2.0 * math.hypot(ta * a.rel_sem, tb * b.rel_sem)
+
+
+def _busy(s: WindowStats) -> tuple[float, float]:
+    """The busy time per step and its error, the slowest block of steps left out where it was measured."""
+    if s.busy_trim_s > 0:
+        return s.busy_trim_s, s.busy_trim_sem_s
+    return (s.step_s + s.other_s) / s.steps, s.busy_sem_s
 
 
 @dataclass(frozen=True)
@@ -305,20 +343,20 @@ def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     fastest = min(usable, key=lambda t: t.compared_sec_per_sample)
+    ref = fastest.compared_sec_per_sample
 
     def close(t: Trial) -> bool:
         # measured noise, but never so wide that a config slower by `min_gain` counts as equal
-        tol = min(max(policy.noise_floor, 2.0 * math.hypot(t.rel_sem, fastest.rel_sem)), policy.min_gain)
-        return t.compared_sec_per_sample <= fastest.compared_sec_per_sample * (1.0 + tol)
+        slower, noise = faster_by(t, fastest)
+        return slower <= min(max(policy.noise_floor * ref, noise), policy.min_gain * ref)
 
     best = min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.compared_sec_per_sample))
     start = trials[0]
     if best is start or not start.usable:
         return best
     # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
-    a, b = start.compared_sec_per_sample, best.compared_sec_per_sample
-    noise = 2.0 * math.hypot(a * start.rel_sem, b * best.rel_sem)
-    return best if a - b > max(policy.min_gain * a, noise) else start
+    gain, noise = faster_by(start, best)
+    return best if gain > max(policy.min_gain * start.compared_sec_per_sample, noise) else start
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -366,6 +404,7 @@ def decide(
     policy: Policy = Policy(),
     remaining_steps: int | None = None,
     probed: bool = False,
+    in_epoch: bool = False,
 ) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, or settle.
 
@@ -377,6 +416,8 @@ def decide(
     (measured per worker on earlier trials, ``Policy.startup_prior_s`` before that). Otherwise the decision is
     ``"hold"``: stay on the current config for the rest of this run, with the config that would be tried next
     in ``settings`` (a longer or resumed run may still want it; it is not a measured result to settle on).
+    ``in_epoch``: the switch would happen inside an epoch on one process, where a config with more workers than
+    a running one with workers starts in the background and costs less (see :func:`restart_cost_s`).
 
     Raises:
         ValueError: if ``trials`` is empty.
@@ -400,12 +441,12 @@ def decide(
         # before settling, see whether pinned memory would shorten the copies the GPU waits for
         pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
         gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
-        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy) is None:
+        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch) is None:
             return pin
         return Decision("settle", best.settings, reason, est)
 
     def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
-        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy)
+        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch)
         return Decision("hold", cand, wasted, est) if wasted else Decision("try", cand, reason, est)
 
     stall = last.stats.effective_stall_frac
@@ -417,7 +458,7 @@ def decide(
     earlier = [t for t in usable[:-1] if t.settings != last.settings]
     if earlier and not probed:
         prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
-        if last.compared_sec_per_sample > prev.compared_sec_per_sample * (1.0 - policy.min_gain):
+        if faster_by(prev, last)[0] < policy.min_gain * prev.compared_sec_per_sample:
             what = "more workers stopped paying"
             if last.settings.pin_memory != prev.settings.pin_memory:
                 what = "pinned memory did not pay"
@@ -430,6 +471,15 @@ def decide(
     cur = last.settings
     tried = {t.settings for t in trials}
     w = cur.num_workers
+    hand = handover_s(trials, policy) if w == 0 else 0.0
+    hideable = max(0.0, stall - hand / last.stats.mean_wall_s)  # workers hand each batch over in the step's time
+    if w == 0 and hideable <= policy.stall_threshold:
+        return settle(
+            f"a batch takes {last.stats.mean_wait_s * 1e3:.2f} ms to load in the training process and about "
+            f"{hand * 1e3:.2f} ms to receive from a worker: workers could hide at most {hideable:.1%} of the time, "
+            f"within the {policy.stall_threshold:.0%} threshold",
+            est,
+        )
     enough_on_average = w > 0 and est.batch_s / w <= est.busy_s
     cap, binding = worker_cap(est, budget, cur.prefetch_factor or 2)
     can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
@@ -465,7 +515,7 @@ def decide(
             f"{budget.memory_bytes / full / MiB:.0f} MiB, and a worker can come to hold this process's "
             f"{est.mem_ceiling_bytes / MiB:.0f} MiB"
         )
-    predicted_wall = max(est.busy_s, est.batch_s / target)
+    predicted_wall = max(est.busy_s + hand, est.batch_s / target)  # from 0 workers, the step now receives a batch
     decision = try_(
         cand,
         last.stats.mean_wall_s - predicted_wall,
@@ -493,14 +543,27 @@ def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: i
     return max(1, est.safe_workers)
 
 
-def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Policy()) -> float:
-    """Predicted cost of switching to a loader with ``workers`` workers: building it, starting the workers and
-    filling the pipeline, per worker as measured on earlier trials (the largest), else the policy's prior."""
-    per_worker = [
-        t.stats.startup_s / t.settings.num_workers
-        for t in trials
-        if t.usable and t.settings.num_workers > 0 and t.stats.startup_s > 0
-    ]
+def handover_s(trials: Sequence[Trial], policy: Policy = Policy()) -> float:
+    """What receiving a batch from a worker costs the training process per step: the least median wait of a trial
+    with workers (at most that: a config that stalls waits longer), else ``policy.handover_prior_s``. Loading in
+    the training process costs no hand-over, so workers save at most the wait at 0 workers less this."""
+    seen = [t.stats.wait_p50_s for t in trials if t.usable and t.settings.num_workers > 0]
+    return min(seen) if seen else policy.handover_prior_s
+
+
+def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Policy(), behind: bool = False) -> float:
+    """Predicted cost of switching to a loader with ``workers`` workers, per worker as measured on earlier trials
+    (the largest), else the policy's prior. In the open: building the loader, starting its workers and waiting
+    for its first batch (``startup_s``). ``behind``: the loader starts in the background while the running one
+    serves (from a config with workers to more, see :func:`handover_lead`); then the first batches load during
+    the overlap, and the cost is what earlier background starts cost (their overlap's time beyond the old
+    config's pace), or before one was measured, the building of earlier loaders alone (``build_s``)."""
+    measured = [t for t in trials if t.usable and t.settings.num_workers > 0 and t.stats.startup_s > 0]
+    per_worker = [t.stats.startup_s / t.settings.num_workers for t in measured]
+    if behind:
+        starts = [t.stats.startup_s / t.settings.num_workers for t in measured if t.stats.startup_behind]
+        builds = [t.stats.build_s / t.settings.num_workers for t in measured if t.stats.build_s > 0]
+        per_worker = starts or builds or per_worker
     return (max(per_worker) if per_worker else policy.startup_prior_s) * max(1, workers)
 
 
@@ -524,12 +587,20 @@ def handover_lead(trials: Sequence[Trial]) -> int:
 
 
 def _wasted(
-    trials: Sequence[Trial], cand: LoaderSettings, gain_s: float, remaining: int | None, policy: Policy
+    trials: Sequence[Trial],
+    cand: LoaderSettings,
+    gain_s: float,
+    remaining: int | None,
+    policy: Policy,
+    in_epoch: bool = False,
 ) -> str | None:
-    """Why switching to ``cand`` would not pay (``None`` when it would, or when the run's length is unknown)."""
+    """Why switching to ``cand`` would not pay (``None`` when it would, or when the run's length is unknown).
+    ``in_epoch``: see :func:`decide`."""
     if remaining is None:
         return None
-    saved, cost = max(0.0, gain_s) * remaining, restart_cost_s(trials, cand.num_workers, policy)
+    current = trials[-1].settings.num_workers
+    behind = in_epoch and 0 < current < cand.num_workers and handover_lead(trials) > 0
+    saved, cost = max(0.0, gain_s) * remaining, restart_cost_s(trials, cand.num_workers, policy, behind)
     if saved > cost:
         return None
     return (
@@ -696,13 +767,20 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         )
     more = [t for t in usable if t.settings.num_workers > settled.num_workers]
     no_help = more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more)
-    if no_help and settled.num_workers == 0 and fs.fetch_cpu_s >= 0.5 * fs.wait_s:
-        slower = min(more, key=lambda t: t.sec_per_sample)
+    hand = handover_s(usable, policy)
+    # settled at 0 workers without trying any: receiving a batch from a worker would cost about what building it
+    # here does (see decide)
+    not_tried = not more and settled.num_workers == 0 and fs.effective_stall_frac - hand / fs.mean_wall_s <= th
+    if (no_help or not_tried) and settled.num_workers == 0 and fs.fetch_cpu_s >= 0.5 * fs.wait_s:
+        if more:
+            slower = min(more, key=lambda t: t.sec_per_sample)
+            how = f"{slower.settings.describe()} was {slower.sec_per_sample / final.sec_per_sample:.1f}x slower"
+        else:
+            how = f"receiving a batch from a worker costs about {hand * 1e3:.1f} ms, so none was tried"
         return (
             f"input-bound by assembling batches sample by sample: {fs.effective_stall_frac:.0%} of the time goes to "
             f"building each batch in the training process ({fs.mean_wait_s * 1e3:.2f} ms of CPU per batch), and "
-            f"workers only add inter-process copying ({slower.settings.describe()} was "
-            f"{slower.sec_per_sample / final.sec_per_sample:.1f}x slower). Fetch whole batches at once: give the "
+            f"workers only add inter-process copying ({how}). Fetch whole batches at once: give the "
             "dataset a `__getitems__(indices)` that returns a batch's samples in one call (it keeps the batch "
             "sampler, and with it in-epoch switching and exact resume); a `BatchSampler` passed as `sampler` with "
             "`batch_size=None` works too but loses them."

@@ -318,6 +318,7 @@ class LoaderSwitcher:
             self._lead,
             self._adopt,
             self._overlapping,
+            self.probe.loader_built,
         )
         return self._guarded
 

@@ -55,10 +55,14 @@ class WindowStats:
     wall_trim_sem_s: float = 0.0
     wait_sem_s: float = 0.0  # standard error of the mean per-step wait (batch means, widened: see _Accumulator)
     busy_sem_s: float = 0.0  # standard error of the mean per-step busy time (step and other)
+    busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
+    busy_trim_sem_s: float = 0.0
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
     startup_s: float = 0.0
+    build_s: float = 0.0  # of startup_s, building the loader and starting its workers (in the training process)
+    startup_behind: int = 0  # 1: started in the background; startup_s is what its overlap cost beyond the old pace
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
     worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
@@ -233,7 +237,8 @@ class _Accumulator:
         self.steps = 0
         self.samples = 0
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
-        self.startup = 0.0
+        self.startup = self.build = 0.0
+        self.behind = 0
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
@@ -266,6 +271,7 @@ class _Accumulator:
         busy_sem = self._busy_var.sem() * few(self.steps - 1) if self.steps > 1 else 0.0
         waits = sorted(self._waits)
         trim, trim_sem = trimmed_mean_sem(self._walls)
+        busy_trim, busy_trim_sem = trimmed_mean_sem([w - x for w, x in zip(self._walls, self._waits, strict=True)])
         return WindowStats(
             steps=self.steps,
             samples=self.samples,
@@ -281,8 +287,12 @@ class _Accumulator:
             wall_trim_sem_s=trim_sem,
             wait_sem_s=self._block_sem(self._waits, self._wait_var),
             busy_sem_s=busy_sem,
+            busy_trim_s=busy_trim,
+            busy_trim_sem_s=busy_trim_sem,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
+            build_s=self.build,
+            startup_behind=self.behind,
         )
 
 
@@ -348,6 +358,13 @@ class StepTimer:
             (wall, steps), self._overlap = self._overlap, None
             # the log window has those steps already (they were served); the trial window pays for them here
             self._window.startup += max(0.0, wall - steps * self._last_mean_wall)
+            self._window.behind = 1
+
+    def loader_built(self, seconds: float) -> None:
+        """A loader was built and its workers started inside a fetch (a switch in the epoch), in ``seconds``: part
+        of the start-up, whether it is charged as the first step's or as a background start's overlap."""
+        self._window.build += seconds
+        self._log.build += seconds
 
     def overlap_started(self) -> None:
         """A new loader starts in the background; the steps until it takes over (:meth:`rebuilt_in_fetch`) are
@@ -364,6 +381,8 @@ class StepTimer:
             build = now - self._requested_at
             self._window.startup += build
             self._log.startup += build
+            self._window.build += build
+            self._log.build += build
             self._requested_at = None
             self._first_after_build = True
         self._ref = now

@@ -214,6 +214,9 @@ class Probe:
         self._cpu0 = self._batch_bytes = None
         self.memory.take()
 
+    def loader_built(self, seconds: float) -> None:
+        self.timer.loader_built(seconds)
+
     def overlap_started(self) -> None:
         self.timer.overlap_started()
 

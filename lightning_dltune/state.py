@@ -173,11 +173,17 @@ class TuningState:
         return judged_early([*self.trials, Trial(self.current, stats)], self.policy)
 
     def decide(
-        self, stats: WindowStats, budget: Budget, remaining_steps: int | None, failed: Sequence[LoaderSettings] = ()
+        self,
+        stats: WindowStats,
+        budget: Budget,
+        remaining_steps: int | None,
+        failed: Sequence[LoaderSettings] = (),
+        in_epoch: bool = False,
     ) -> Decision | None:
         """What to do after a window on the current config (``None`` while observing or disabled, or once tuning
         ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
-        settles on the same fallback. Pure."""
+        settles on the same fallback. ``in_epoch``: a switch would happen inside the epoch on one process (see
+        :func:`~lightning_dltune.decide.decide`). Pure."""
         if failed:
             never = set(failed) | self.failed_configs
             fallback = self._fallback(never, failed[0])
@@ -193,7 +199,9 @@ class TuningState:
             return down
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
-        return verified or decide([*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory)
+        return verified or decide(
+            [*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory, in_epoch
+        )
 
     def handover_lead(self) -> int:
         """Batches the running config serves while a new loader starts behind it (``decide.handover_lead``)."""

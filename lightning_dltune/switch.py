@@ -15,6 +15,7 @@ state, and with it every later epoch's order, is the same as in a run that never
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -227,6 +228,7 @@ class GuardedIterator(Iterator[Any]):
         adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
         overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are
             still the old loader's), ``overlap(None)`` when it was abandoned before taking over.
+        built: ``built(seconds)`` after a new loader's iterator was created (its workers started) in ``seconds``.
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class GuardedIterator(Iterator[Any]):
         ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None,
         adopt: Callable[[Any, Any], None] = lambda old, new: None,
         overlap: Callable[[Any | None], None] = lambda new: None,
+        built: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -253,7 +256,7 @@ class GuardedIterator(Iterator[Any]):
         self._worker_dead = worker_dead
         self._on_error = on_error
         self._close = close
-        self._ahead, self._adopt, self._overlap = ahead, adopt, overlap
+        self._ahead, self._adopt, self._overlap, self._built = ahead, adopt, overlap, built
         self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
         self.handed_over = 0  # background starts that took over
         prepare(inner)
@@ -341,10 +344,12 @@ class GuardedIterator(Iterator[Any]):
         # seamless epochs, the next epoch's order may be drawn as the new workers are first given batches)
         generator = getattr(new, "generator", None)
         new.generator = None
+        t0 = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=[]):
                 inner = iter(new)
         finally:
             new.generator = generator
+        self._built(time.perf_counter() - t0)
         self._prepare(inner)
         return inner

@@ -2,7 +2,17 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate, pick_best, verify_cached
+from lightning_dltune.decide import (
+    Budget,
+    Policy,
+    Trial,
+    decide,
+    diagnose,
+    estimate,
+    handover_s,
+    pick_best,
+    verify_cached,
+)
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.memory import MiB
 from lightning_dltune.settings import LoaderSettings
@@ -28,6 +38,7 @@ def trial(
     p90_ms=None,
     sem_ms=0.0,
     wait_sem_ms=0.0,
+    busy_sem_ms=0.0,
     failed=None,
 ):
     wall = (wait_ms + step_ms) * steps / 1e3
@@ -41,6 +52,7 @@ def trial(
         wait_p90_s=(wait_ms if p90_ms is None else p90_ms) / 1e3,
         wall_sem_s=sem_ms / 1e3,
         wait_sem_s=wait_sem_ms / 1e3,
+        busy_sem_s=busy_sem_ms / 1e3,
         fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
         worker_cpu_s=worker_cpu_ms * steps / 1e3,
     )
@@ -71,6 +83,13 @@ def trial(
             id="cpu-bound with enough CPUs gets what the model needs",
         ),
         pytest.param([trial(0, 10, 40)], BUDGET, "try", cfg(1), id="small stall needs one worker"),
+        pytest.param(
+            [trial(0, 0.6, 8, fetch_cpu_ms=0.6)],
+            BUDGET,
+            "settle",
+            cfg(0),
+            id="a 7% stall that a worker's hand-over (1 ms, the prior) would cost as much as it hides keeps 0 workers",
+        ),
         pytest.param([trial(0, 160, 10, steps=2)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
         pytest.param(
             [trial(0, 160, 10, steps=3)], BUDGET, "try", cfg(16), id="an overwhelming stall is judged after 3 steps"
@@ -200,6 +219,12 @@ def test_decide_rejects_an_empty_history():
         decide([], BUDGET)
 
 
+def test_the_hand_over_is_read_on_the_least_median_wait_with_workers():
+    assert handover_s([trial(0, 0.6, 8)]) == Policy().handover_prior_s  # nothing measured with workers yet
+    measured = [trial(0, 0.6, 8), trial(1, 2.5, 8, p50_ms=2.4), trial(2, 1.6, 8, p50_ms=1.5)]
+    assert handover_s(measured) == pytest.approx(1.5e-3)
+
+
 def test_estimate_takes_the_tightest_bound_over_the_history():
     est = estimate([trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 15, 10)], Budget(cpus=2, max_workers=64))
     assert est.batch_s == pytest.approx(0.160)  # 8 * 25 ms = 200 ms is a looser bound
@@ -224,8 +249,28 @@ def test_pick_best_is_the_cheapest_within_noise(a, b, winner):
     ("start", "other", "winner"),
     [
         (trial(0, 1.0, 10), trial(2, 0.6, 10), 0),  # 3.6% faster: not the min_gain it takes to move
-        (trial(0, 1.0, 10, sem_ms=1.0), trial(2, 0.1, 10, sem_ms=1.0), 0),  # 8% faster, within its noise
+        (trial(0, 1.0, 10, sem_ms=1.0, wait_sem_ms=1.0), trial(2, 0.1, 10, sem_ms=1.0, wait_sem_ms=1.0), 0),  # 8%
         (trial(0, 5.0, 10), trial(2, 0.1, 10), 2),  # 33% faster: a measured win
+        # a 40 ms step measured in phases of 50 and 60 ms (a sleep's overshoot): the walls' noise hides an 11% win,
+        # but the steps agree within their noise and the waits differ far beyond theirs: the wait decides
+        (
+            trial(0, 7.0, 50, steps=19, sem_ms=3.8, wait_sem_ms=0.1, busy_sem_ms=1.2),
+            trial(1, 2.5, 48.5, steps=19, sem_ms=2.8, wait_sem_ms=0.3, busy_sem_ms=1.2),
+            1,
+        ),
+        # ... or where the step at 0 workers is longer beyond its noise (loading in the training process slows it)
+        (
+            trial(0, 7.0, 52.7, steps=19, sem_ms=3.8, wait_sem_ms=0.1, busy_sem_ms=1.2),
+            trial(1, 2.5, 48.5, steps=19, sem_ms=2.8, wait_sem_ms=0.3, busy_sem_ms=0.2),
+            1,
+        ),
+        # ... while a step longer with workers beyond its noise (their CPU contention) is compared whole, with the
+        # walls' noise
+        (
+            trial(0, 7.0, 45, steps=19, sem_ms=5, wait_sem_ms=0.1, busy_sem_ms=0.2),
+            trial(1, 2.5, 48, steps=19, sem_ms=5, wait_sem_ms=0.3, busy_sem_ms=0.2),
+            0,
+        ),
     ],
 )
 def test_moving_away_from_the_starting_config_needs_a_win_beyond_noise(start, other, winner):
@@ -266,6 +311,8 @@ def test_a_host_running_ahead_of_the_gpu_is_compared_on_the_gpus_time():
             cfg(0),
             "input-bound by assembling batches sample by sample",
         ),
+        # ... or where receiving a batch from a worker would cost about what assembling it here does: none tried
+        ([trial(0, 0.6, 8, fetch_cpu_ms=0.6)], cfg(0), "input-bound by assembling batches sample by sample"),
         ([trial(0, 40, 10, fetch_cpu_ms=40), trial(2, 12, 10, worker_cpu_ms=40)], cfg(2), "input-bound and CPU-bound"),
     ],
 )
@@ -352,6 +399,25 @@ def test_restart_cost_is_measured_per_worker_on_earlier_trials():
     assert decide(history, BUDGET, remaining_steps=200).action == "try"
     held = decide(history, BUDGET, remaining_steps=100)
     assert held.action == "hold" and held.settings == cfg(16) and "less than the 3.20 s" in held.reason
+
+
+def test_a_start_in_the_background_is_charged_its_build_not_its_first_batches():
+    from lightning_dltune.decide import restart_cost_s
+
+    # 4 workers started in the open: 0.8 s, of which 0.1 s building the loader, the rest its first batches
+    opened = trial(4, 30, 10)
+    opened = replace(opened, stats=replace(opened.stats, startup_s=0.8, build_s=0.1))
+    history = [trial(0, 160, 10, fetch_cpu_ms=1), opened]
+    assert restart_cost_s(history, 16) == pytest.approx(3.2)
+    assert restart_cost_s(history, 16, behind=True) == pytest.approx(0.4)  # 16 x 0.1 s / 4
+    # inside an epoch, 4 -> 16 starts behind the 4 workers: over 100 steps it pays, as it does not in the open
+    assert decide(history, BUDGET, remaining_steps=100, in_epoch=True).action == "try"
+    assert decide(history, BUDGET, remaining_steps=100).action == "hold"  # at an epoch's end: in the open
+    # once a background start was measured, its overlap's cost is what the next one is charged
+    behind = trial(8, 10, 10)
+    behind = replace(behind, stats=replace(behind.stats, startup_s=0.4, build_s=0.08, startup_behind=1))
+    assert restart_cost_s([*history, behind], 16, behind=True) == pytest.approx(0.8)
+    assert restart_cost_s([*history, behind], 16) == pytest.approx(3.2)  # in the open: the largest measured
 
 
 def rate(t):
