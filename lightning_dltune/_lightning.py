@@ -12,8 +12,9 @@ from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch.utils.data import DataLoader
+
+from lightning_dltune.switch import apart_from_global
 
 # (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
 PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -307,15 +308,11 @@ def serve_carried_iterator(
             return carried
         if draws_base():
             return _reset_once_used(create())
-        generator = loader.generator
-        loader.generator = None  # the base seed comes from the global state, which fork_rng puts back
-        try:
-            with torch.random.fork_rng(devices=[]):
-                return _reset_once_used(create())
-        finally:
-            loader.generator = generator
+        return _reset_once_used(apart_from_global(loader, create))
 
-    loader._get_iterator = get_iterator  # type: ignore[method-assign]
+    # past Lightning's record of attribute changes: a loader rebuilt around the DistributedSampler Lightning injects
+    # must not create its iterators from this one
+    object.__setattr__(loader, "_get_iterator", get_iterator)
 
 
 def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:

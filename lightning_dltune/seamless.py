@@ -15,10 +15,16 @@ The order is known early, and drawn exactly as at the epoch's start, for:
   every epoch draws its workers' base seed from that generator just before the order: that draw is made too.
 
 A ``RandomSampler`` without a generator draws its seed from the global random state when its epoch starts, after
-training has used it (dropout, augmentation in the main process): drawing it earlier would change the order, so
-there it stays off with ``seamless_epochs="auto"``. With ``seamless_epochs=True`` such a sampler is given a
-generator seeded from the run's seed and the epoch (``torch.initial_seed() * 1_000_003 + epoch``): the order is
-then reproducible but not the one a run without the tuner would draw. Other samplers are on only with ``True``.
+training has used it (dropout, augmentation in the main process). With ``seamless_epochs="auto"`` its next order is
+drawn ahead from a copy of the global state as it stands then, which is the order the epoch draws if training
+draws nothing more from the global state before the epoch begins (a model on a GPU draws dropout from the GPU's
+generator). The epoch's start checks it: the global state must be the copy's; then the seed's draw is made on it,
+as without the tuner, and the epoch begins on the carried iterator. Otherwise the epoch draws its order as without
+seamless epochs, on a new iterator (the carried one is dropped with what it loaded ahead), and this run drawing
+from the global state between epochs, the sampler is not drawn ahead again. With ``seamless_epochs=True`` such a
+sampler is given a generator seeded from the run's seed and the epoch (``torch.initial_seed() * 1_000_003 +
+epoch``): the order is then reproducible but not the one a run without the tuner would draw. Other samplers are on
+only with ``True``.
 
 Epochs cut short (``limit_train_batches``, a reload for a new config, the last epoch) drop what was drawn ahead:
 the orders are forgotten and the generators put back, so the next epoch draws exactly as without seamless epochs.
@@ -73,6 +79,12 @@ class Seamless:
         # the generators' states before each epoch's order was drawn ahead, by epoch: what a drop puts back
         self._saved: dict[int, list[tuple[torch.Generator, torch.Tensor]]] = {}
         self.carried = 0  # epochs that began on a carried iterator
+        # a RandomSampler without a generator, drawn ahead (see the module's docstring): a copy of the global random
+        # state after the latest order drawn ahead, and by epoch the global state its start must find
+        self.ahead_of_global = True  # False once training drew from the global state between epochs
+        self._global: torch.Generator | None = None
+        self._expected: dict[int, torch.Tensor] = {}
+        self._base_drawn = False  # the epoch's base seed was drawn already (see _take)
 
     @property
     def carrying(self) -> bool:
@@ -89,14 +101,17 @@ class Seamless:
         sampler = loader.batch_sampler.sampler
         if self.setting is True or isinstance(sampler, SequentialSampler) or hasattr(sampler, "set_epoch"):
             return None
-        if isinstance(sampler, RandomSampler) and sampler.generator is not None:
-            return None
-        if isinstance(sampler, RandomSampler):
+        if _from_global(sampler):
+            if self.ahead_of_global:
+                return None
             return (
-                "its RandomSampler draws each epoch's seed from the global random state when the epoch starts, "
-                "after training used it; give the loader a generator (`DataLoader(..., generator=g)`) or pass "
+                "its RandomSampler draws each epoch's seed from the global random state when the epoch starts, and "
+                "training drew from that state between epochs (dropout or augmentation on the CPU), so the order "
+                "could not be drawn ahead; give the loader a generator (`DataLoader(..., generator=g)`) or pass "
                 "`DataLoaderTuner(seamless_epochs=True)` to seed each epoch from the run's seed and the epoch"
             )
+        if isinstance(sampler, RandomSampler) and sampler.generator is not None:
+            return None
         return f"its {type(sampler).__name__} may not draw the next epoch's order ahead; `seamless_epochs=True` lets it"
 
     def attach(self, loader: DataLoader) -> None:
@@ -119,6 +134,9 @@ class Seamless:
         """Whether a new iterator of the loader draws its workers' base seed from the user's random state now: a
         run without the tuner creates an iterator, drawing one, in its first epoch and, unless its loader is
         persistent, in every epoch."""
+        if self._base_drawn:  # once: see _take
+            self._base_drawn = False
+            return False
         return self.epoch() == 0 or self.base_draws()
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
@@ -128,6 +146,8 @@ class Seamless:
         if self.setting is True and ours and not hasattr(sampler, "set_epoch"):
             sampler.generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
             sampler._dltune_seeded = True  # type: ignore[attr-defined]
+        elif self.setting == "auto" and _from_global(sampler):
+            self._draw_from_global(sampler, epoch, ahead)
         if ahead < 1:
             return
         own = getattr(sampler, "generator", None)
@@ -137,6 +157,24 @@ class Seamless:
             sampler.set_epoch(epoch)
         if generator is not None and self.base_draws():
             torch.empty((), dtype=torch.int64).random_(generator=generator)  # the base seed a new iterator draws
+
+    def _draw_from_global(self, sampler: RandomSampler, epoch: int, ahead: int) -> None:
+        """Make a RandomSampler without a generator draw epoch ``epoch``'s order: from the global state for the
+        running epoch, as without the tuner; ahead, from a seed drawn on a copy of the global state as the epoch's
+        start would draw it if training draws nothing more from it (after the base seed a new iterator draws)."""
+        sampler._dltune_global = True  # type: ignore[attr-defined]
+        if ahead < 1 or not self.ahead_of_global:
+            sampler.generator = None
+            self._global = None
+            return
+        if self._global is None:
+            self._global = torch.Generator()
+            self._global.set_state(torch.get_rng_state())
+        if self.base_draws():  # a new iterator's base seed, drawn at the epoch's start before the order's seed
+            torch.empty((), dtype=torch.int64).random_(generator=self._global)
+        self._expected[epoch] = self._global.get_state()
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._global).item())
+        sampler.generator = torch.Generator().manual_seed(seed)  # what RandomSampler makes of the seed it draws
 
     def epoch_ended(self, guard: Any, go_on: bool) -> None:
         """The train epoch ended on ``guard`` (the loop's iterator): carry its inner iterator into the next epoch
@@ -156,10 +194,24 @@ class Seamless:
         carry, self._carry = self._carry, None
         if carry is None:
             return None
-        if carry[0] is not loader or not loader.batch_sampler.advance():
+        epoch = self.epoch()
+        expected = self._expected.pop(epoch, None)
+        missed = expected is not None and not torch.equal(torch.get_rng_state(), expected)
+        if missed:  # training drew from the global state since the order was drawn ahead: not this epoch's order
+            self.ahead_of_global = False
+            loader.batch_sampler.seamless = False
+            info_once(
+                "seamless-global", f"DataLoaderTuner: seamless epochs stopped for this loader: {self.why_not(loader)}."
+            )
+        if missed or carry[0] is not loader or not loader.batch_sampler.advance():
             self._drop(*carry)
+            # the epoch's start drew a new iterator's base seed from the global state already, where a run without
+            # the tuner does (a generator's draw made ahead is put back by the drop: the new iterator makes it)
+            self._base_drawn = loader.generator is None
             return None
-        epoch = self.epoch()  # what was drawn for this epoch is now its own; later epochs' draws may still go
+        if expected is not None:  # the order's seed, drawn from the global state as without the tuner
+            torch.empty((), dtype=torch.int64).random_()
+        # what was drawn for this epoch is now its own; later epochs' draws may still go
         self._saved = {e: states for e, states in self._saved.items() if e > epoch}
         self.carried += 1
         return carry[1]
@@ -175,4 +227,13 @@ class Seamless:
             for g, state in self._saved[min(self._saved)]:  # as before the first order drawn ahead
                 g.set_state(state)
         self._saved = {}
+        self._global, self._expected = None, {}
         self._shutdown(loader, inner)  # a persistent loader's own iterator is reset at the next epoch instead
+
+
+def _from_global(sampler: Any) -> bool:
+    """A RandomSampler that draws its seed from the global random state (no generator of its own, or only one
+    given here for an order drawn ahead)."""
+    if not isinstance(sampler, RandomSampler) or hasattr(sampler, "_dltune_seeded"):
+        return False
+    return sampler.generator is None or hasattr(sampler, "_dltune_global")

@@ -9,8 +9,9 @@
   consumed), and when a worker process dies it rebuilds with a fallback config and fetches the same batch
   again. Whatever the old workers had prefetched is dropped, never delivered.
 
-The iterator of a replacement loader is created under :func:`torch.random.fork_rng`, so the global random
-state, and with it every later epoch's order, is the same as in a run that never switched.
+The iterator of a replacement loader draws its workers' base seed from a copy of the global random state
+(:func:`apart_from_global`), so the global random state, and with it every later epoch's order, is the same as in a
+run that never switched.
 """
 
 from __future__ import annotations
@@ -140,7 +141,10 @@ class ResumableBatchSampler(BatchSampler):
         order is drawn, ``ahead`` epochs after the current one (0: the current one), to make the draw exactly
         what it would be at that epoch's start (the sampler's epoch, a generator's state). ``seamless=False`` keeps
         only the hook (iterations end with their epoch)."""
-        self.seamless, self._before_draw = seamless, before_draw
+        # set past Lightning's record of attribute changes (a loader built while it records is built again around
+        # the DistributedSampler it injects, and the changes replayed): the hook holds this sampler's own sampler
+        object.__setattr__(self, "seamless", seamless)
+        object.__setattr__(self, "_before_draw", before_draw)
 
     def advance(self) -> bool:
         """The next epoch begins on an iteration carried over from the last one: its order becomes the current
@@ -339,17 +343,26 @@ class GuardedIterator(Iterator[Any]):
 
     def _start(self, new: Any) -> Iterator[Any]:
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
-        # state: a run that never switched makes no such draw in the middle of an epoch. The draw is taken from the
-        # global state here, which fork_rng puts back; the generator keeps only what the sampler draws (with
-        # seamless epochs, the next epoch's order may be drawn as the new workers are first given batches)
-        generator = getattr(new, "generator", None)
-        new.generator = None
+        # state: a run that never switched makes no such draw in the middle of an epoch (with seamless epochs, the
+        # next epoch's order may be drawn as the new workers are first given batches)
         t0 = time.perf_counter()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                inner = iter(new)
-        finally:
-            new.generator = generator
+        inner = apart_from_global(new, lambda: iter(new))
         self._built(time.perf_counter() - t0)
         self._prepare(inner)
         return inner
+
+
+def apart_from_global(loader: Any, create: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """``create()`` a new iterator of ``loader`` drawing its workers' base seed from a copy of the global random state:
+    neither the global state nor the loader's generator (which keeps only what its sampler draws) is drawn from,
+    and the seed is the one the global state would give. Under :func:`torch.random.fork_rng` the global state would
+    be one draw on while the iterator is created, and an order drawn ahead then from a copy of the global state
+    (``seamless``) would be drawn from the wrong one."""
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    generator = getattr(loader, "generator", None)
+    loader.generator = copy
+    try:
+        return create()
+    finally:
+        loader.generator = generator

@@ -6,7 +6,7 @@ from functools import reduce
 import lightning.pytorch as pl
 import pytest
 from lightning.fabric.utilities import data as fabric_data
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_dltune import _lightning
 
@@ -57,6 +57,27 @@ def test_recorded_dataloader_arguments_are_where_the_rebuild_reads_them():
     assert getattr(dl, _lightning._SAVED_ARGS) == (list(range(8)), 4, True)
     assert getattr(dl, _lightning._SAVED_ARG_NAMES) == ("dataset", "batch_size", "shuffle")
     assert isinstance(getattr(dl, _lightning._SAVED_KWARGS), dict)
+
+
+def test_a_loader_lightning_rebuilds_for_its_distributed_sampler_keeps_none_of_the_seamless_patches():
+    # the loader transform runs while Lightning records attribute changes of loaders and batch samplers, and
+    # Lightning replays them onto the loader it rebuilds around the DistributedSampler it injects (DDP): a replayed
+    # `_get_iterator` would create the old loader's iterators, a replayed seamless hook draw the old sampler's orders
+    from lightning.fabric.utilities.data import _replace_dunder_methods, _update_dataloader
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    from lightning_dltune.switch import ResumableBatchSampler
+
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        batches = ResumableBatchSampler(RandomSampler(range(8)), batch_size=2, drop_last=False)
+        dl = DataLoader(list(range(8)), batch_sampler=batches)
+        _lightning.serve_carried_iterator(dl, lambda loader: None)
+        batches.carry_on(lambda ahead: None)
+        assert batches.seamless and "_get_iterator" in vars(dl)
+    shard = DistributedSampler(list(range(8)), num_replicas=2, rank=0, shuffle=False)
+    rebuilt = _update_dataloader(dl, shard)
+    assert "_get_iterator" not in vars(rebuilt) and not rebuilt.batch_sampler.seamless
+    assert [i for b in rebuilt for i in b.tolist()] == [0, 2, 4, 6]  # the shard, from the rebuilt loader
 
 
 def test_torch_dataloader_internals_used_for_switching_exist():

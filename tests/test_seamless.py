@@ -52,7 +52,17 @@ def described(tuner):
 
 
 def fit(
-    tmp_path, callbacks, epochs=4, workers=0, latency_ms=5.0, step_ms=5.0, length=320, seed=7, trainer_kw=None, **loader
+    tmp_path,
+    callbacks,
+    epochs=4,
+    workers=0,
+    latency_ms=5.0,
+    step_ms=5.0,
+    length=320,
+    seed=7,
+    trainer_kw=None,
+    model=Dropout,
+    **loader,
 ):
     pl.seed_everything(0)
     ds = SyntheticDataset(length, latency_ms=latency_ms)
@@ -63,7 +73,8 @@ def fit(
     dl = DataLoader(ds, batch_size=16, shuffle=True, **kwargs)
     record = Epochs()
     trainer = make_trainer(tmp_path, [*callbacks, record], max_epochs=epochs, logger=False, **(trainer_kw or {}))
-    trainer.fit(Dropout(step_ms), train_dataloaders=dl)
+    trainer.fit(model(step_ms), train_dataloaders=dl)
+    record.rng_after = torch.get_rng_state()  # what training goes on with
     return record
 
 
@@ -108,12 +119,35 @@ def test_the_next_epoch_is_loaded_while_this_one_ends_and_without_it_every_epoch
     assert waits["on"][-1] < waits["off"][0] / 2, waits
 
 
+class Steady(SimulatedModel):
+    """Draws nothing from the global random state (a model whose dropout runs on a GPU's generator)."""
+
+    def __init__(self, step_ms=5.0):
+        super().__init__(step_ms=step_ms)
+
+
+@pytest.mark.parametrize("workers", [0, 2])  # the user's loader creates an iterator every epoch, or once
+def test_a_sampler_drawing_from_the_global_state_is_drawn_ahead_when_training_leaves_that_state_alone(
+    tmp_path, workers
+):
+    # no generator: each epoch's seed comes from the global random state at its start. Training that draws nothing
+    # from it between epochs leaves the state as it was when the order was drawn ahead: the epoch checks that
+    untuned = fit(tmp_path / "untuned", [], seed=None, model=Steady, workers=workers, epochs=5)
+    tuner = DataLoaderTuner()
+    tuned = fit(tmp_path / "tuned", [tuner], seed=None, model=Steady, workers=workers, epochs=5)
+    assert tuner.switcher.seamless.carried >= 1, described(tuner)
+    assert tuned.epochs == untuned.epochs, described(tuner)
+    assert torch.equal(tuned.rng_after, untuned.rng_after)  # the global state goes on as without the tuner
+
+
 def test_a_sampler_that_draws_from_the_global_state_is_left_alone_unless_asked(tmp_path, lightning_log):
+    # dropout on the CPU draws from the global state in every step: the order drawn ahead is found wrong at the
+    # next epoch's start, which then draws its own as without the tuner, and no order is drawn ahead again
     untuned = fit(tmp_path / "untuned", [], seed=None)
     auto = DataLoaderTuner()
     tuned = fit(tmp_path / "auto", [auto], seed=None)
     assert auto.switcher.seamless.carried == 0 and tuned.epochs == untuned.epochs
-    assert "seamless epochs are off for this loader: its RandomSampler draws each epoch's seed" in lightning_log.text
+    assert "seamless epochs stopped for this loader: its RandomSampler draws each epoch's seed" in lightning_log.text
 
     # opted in: each epoch's order comes from the run's seed and the epoch, the same in two runs, every sample once
     runs = []
