@@ -277,6 +277,19 @@ def test_moving_away_from_the_starting_config_needs_a_win_beyond_noise(start, ot
     assert pick_best([start, other]).settings.num_workers == winner
 
 
+def test_a_step_shorter_within_its_noise_still_counts_where_the_walls_show_the_win():
+    # dltune demo: 10 workers took 1.6 ms off a 13.3 ms step (within its noise) and 0.6 ms off the wait: on the
+    # waits alone 4% (not the 5% it takes), on the walls 13% beyond their noise
+    from lightning_dltune.decide import faster_by
+
+    six = trial(6, 3.5, 13.3, steps=55, sem_ms=0.5, wait_sem_ms=0.4, busy_sem_ms=1.0)
+    ten = trial(10, 2.9, 11.7, steps=59, sem_ms=0.5, wait_sem_ms=0.35, busy_sem_ms=1.0)
+    gain, noise = faster_by(six, ten)
+    assert gain > 0.1 * six.compared_sec_per_sample and gain > noise
+    decision = decide([trial(0, 72, 15, steps=3, fetch_cpu_ms=5), six, ten], BUDGET)
+    assert "stopped paying" not in decision.reason
+
+
 def on_gpu(t, host_ms, host_sem_ms, gpu_ms):
     """``t`` with a host whose time per step is ``host_ms`` (trimmed) and a GPU timeline that read every step."""
     stats = replace(
