@@ -318,7 +318,7 @@ class LoaderSwitcher:
             self._lead,
             self._adopt,
             self._overlapping,
-            self.probe.loader_built,
+            self.probe.build_loader,
         )
         return self._guarded
 

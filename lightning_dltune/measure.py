@@ -22,7 +22,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -360,11 +360,17 @@ class StepTimer:
             self._window.startup += max(0.0, wall - steps * self._last_mean_wall)
             self._window.behind = 1
 
-    def loader_built(self, seconds: float) -> None:
-        """A loader was built and its workers started inside a fetch (a switch in the epoch), in ``seconds``: part
-        of the start-up, whether it is charged as the first step's or as a background start's overlap."""
-        self._window.build += seconds
-        self._log.build += seconds
+    def build_loader(self, create: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """Create a new loader's iterator, starting its workers, inside a fetch (a switch in the epoch), and count the
+        time as its build: part of the start-up, whether it is charged as the first step's or as a background
+        start's overlap."""
+        t0 = self._clock()
+        try:
+            return create()
+        finally:
+            build = self._clock() - t0
+            self._window.build += build
+            self._log.build += build
 
     def overlap_started(self) -> None:
         """A new loader starts in the background; the steps until it takes over (:meth:`rebuilt_in_fetch`) are

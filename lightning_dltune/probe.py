@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -214,8 +214,8 @@ class Probe:
         self._cpu0 = self._batch_bytes = None
         self.memory.take()
 
-    def loader_built(self, seconds: float) -> None:
-        self.timer.loader_built(seconds)
+    def build_loader(self, create: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        return self.timer.build_loader(create)
 
     def overlap_started(self) -> None:
         self.timer.overlap_started()

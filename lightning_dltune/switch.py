@@ -16,7 +16,6 @@ run that never switched.
 
 from __future__ import annotations
 
-import time
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -232,7 +231,8 @@ class GuardedIterator(Iterator[Any]):
         adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
         overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are
             still the old loader's), ``overlap(None)`` when it was abandoned before taking over.
-        built: ``built(seconds)`` after a new loader's iterator was created (its workers started) in ``seconds``.
+        build: ``build(create)`` creates a new loader's iterator (starting its workers) with ``create()`` and returns
+            it; the probe times it there, on the timer's clock.
     """
 
     def __init__(
@@ -248,7 +248,7 @@ class GuardedIterator(Iterator[Any]):
         ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None,
         adopt: Callable[[Any, Any], None] = lambda old, new: None,
         overlap: Callable[[Any | None], None] = lambda new: None,
-        built: Callable[[float], None] = lambda seconds: None,
+        build: Callable[[Callable[[], Iterator[Any]]], Iterator[Any]] = lambda create: create(),
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -260,7 +260,7 @@ class GuardedIterator(Iterator[Any]):
         self._worker_dead = worker_dead
         self._on_error = on_error
         self._close = close
-        self._ahead, self._adopt, self._overlap, self._built = ahead, adopt, overlap, built
+        self._ahead, self._adopt, self._overlap, self._build = ahead, adopt, overlap, build
         self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
         self.handed_over = 0  # background starts that took over
         prepare(inner)
@@ -345,9 +345,7 @@ class GuardedIterator(Iterator[Any]):
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
         # state: a run that never switched makes no such draw in the middle of an epoch (with seamless epochs, the
         # next epoch's order may be drawn as the new workers are first given batches)
-        t0 = time.perf_counter()
-        inner = apart_from_global(new, lambda: iter(new))
-        self._built(time.perf_counter() - t0)
+        inner = self._build(lambda: apart_from_global(new, lambda: iter(new)))
         self._prepare(inner)
         return inner
 

@@ -67,6 +67,7 @@ def test_first_step_after_a_build_is_startup_not_steady_state(timer_and_clock):
     s = timer.take_window()
     assert s.steps == 3
     assert s.startup_s == pytest.approx(0.7)
+    assert s.build_s == pytest.approx(0.5)  # of the start-up, the build before the epoch's first fetch
     assert s.wait_s == pytest.approx(0.003)
 
 
@@ -229,6 +230,30 @@ def test_a_background_start_is_charged_its_overlap_beyond_the_old_pace_and_the_h
     assert s.steps == 2 and s.wait_s == pytest.approx(0.002)
     assert s.startup_s == pytest.approx(3 * 0.010 + 0.020)  # 10 ms a step beyond the old pace, and the wait
     assert timer.take_log_window().steps == 4 + 3 + 2  # every served step is logged, but the hand-over's
+
+
+def test_a_loader_built_inside_a_fetch_is_timed_on_the_timers_clock(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.epoch_started()
+    run_steps(timer, clock, [(0.030, 0.0, 0.010, 0.0)] * 2)
+    timer.take_window()
+    timer.overlap_started()
+    timer.fetch_started()
+    created = timer.build_loader(lambda: clock.advance(0.025) or iter([1]))  # forking the workers: 25 ms
+    clock.advance(0.030)  # the old loader's batch, as before
+    timer.fetch_ended()
+    timer.step_started()
+    clock.advance(0.010)
+    timer.step_ended(8)
+    timer.fetch_started()
+    timer.rebuilt_in_fetch()
+    timer.fetch_ended()
+    timer.step_started()
+    timer.step_ended(8)
+    s = timer.take_window()
+    assert next(created) == 1
+    assert s.build_s == pytest.approx(0.025) and s.startup_behind == 1
+    assert s.startup_s == pytest.approx(0.025)  # the overlap's step was 25 ms beyond the old 40 ms pace
 
 
 def test_an_abandoned_background_start_charges_nothing(timer_and_clock):
