@@ -47,6 +47,12 @@ def own_footprint() -> float:
     return float(max(0, info.rss - getattr(info, "shared", 0)))
 
 
+# Reading a torch worker's USS walks its page tables: 7-12 ms of CPU on the 2-CPU machine of BENCHMARKS.md, and the
+# worker's page faults wait meanwhile; reading all of 16 slowed a bursty loader's first epoch by 0.3 s. The workers of
+# one loader are dealt batches in turn and load alike, so a few stand for all (a different few each reading): the
+# thread reads THREAD_READ_WORKERS, a window that closes without a reading from it SYNC_READ_WORKERS, in the open.
+THREAD_READ_WORKERS = 4
+SYNC_READ_WORKERS = 2
 CPU_SHARE_FAR = 0.02  # of one CPU the memory readings may take while the workers are far from the budget
 CPU_SHARE_NEAR = 0.10  # ... and once they hold 3/4 of it
 
@@ -71,9 +77,9 @@ class MemoryWatch:
     ) -> None:
         self._worker_pids, self._read, self._clock = worker_pids, read, clock
         self.interval_s = interval_s
-        # Reading USS walks each worker's page tables (/proc/PID/smaps_rollup): about 7 ms of this process's CPU
-        # per torch worker, 0.1 s for 16. The reads take at most CPU_SHARE of one CPU, the larger share once the
-        # workers are near the budget (``pressure``: their latest total over the budget, set by the step's check).
+        # Reading USS walks each worker's page tables (/proc/PID/smaps_rollup, see THREAD_READ_WORKERS). The reads
+        # take at most CPU_SHARE of one CPU, the larger share once the workers are near the budget (``pressure``:
+        # their latest total over the budget, set by the step's check).
         self.pressure = 1.0
         self.measuring = False  # the window is there to read the workers' memory (its growth): the larger share
         self._read_s = 0.0
@@ -81,6 +87,8 @@ class MemoryWatch:
         self._samples: list[MemorySample] = []
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
         self._pids: frozenset[int] = frozenset()
+        self._rotation = 0  # where the next partial reading starts among the workers (see sample)
+        self._newest: tuple[frozenset[int], MemorySample] | None = None  # the latest reading, any window, and its set
         self._set_start = 0
         self.batches = 0
         self.latest: MemorySample | None = None
@@ -90,30 +98,47 @@ class MemoryWatch:
     def batch_taken(self) -> None:
         self.batches += 1
 
-    def sample(self) -> MemorySample | None:
-        """Read the workers now (the thread calls this; a window that saw no reading calls it at its end)."""
+    def sample(self, most: int | None = None) -> MemorySample | None:
+        """Read the workers now, at most ``most`` of them (they stand for all: each worker's share is taken as the
+        mean of those read); the thread calls this, and a window that saw no reading at its end."""
         window = self._window
         try:
             pids = list(self._worker_pids())
         except Exception:  # the loader is being rebuilt: read next time
             return None
-        sizes = self._read(pids) if pids else []
+        read = pids
+        if most is not None and len(pids) > most:  # a different few each time: the largest is seen over time
+            first = self._rotation % len(pids)
+            read = (pids[first:] + pids[:first])[:most]
+            self._rotation += most
+        sizes = self._read(read) if read else []
         if not sizes:
             return None
+        workers = len(sizes) if read is pids else len(pids)
         batches = self.batches
         with self._lock:
             if frozenset(pids) != self._pids:
                 self._pids, self._set_start = frozenset(pids), batches
-            reading = MemorySample(self._clock(), batches - self._set_start, len(sizes), sum(sizes), max(sizes))
+            total = sum(sizes) * workers / len(sizes)
+            reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(sizes))
+            self._newest = (frozenset(pids), reading)
             if window == self._window:
                 self._samples.append(reading)
                 self.latest = reading
         return reading
 
-    def take(self) -> WorkerMemory:
-        """The fit of the window's readings (one is taken now if there was none); starts the next window."""
+    def take(self, fresh: bool = True) -> WorkerMemory:
+        """The fit of the window's readings; starts the next window. A window the thread read nothing in (it reads
+        at most a small share of a CPU: every 10 s for 16 torch workers) reads ``SYNC_READ_WORKERS`` of the workers
+        now, in the training process; unless not ``fresh`` (no decision waits on it: tuning ended, or only
+        observing), where the latest reading of the same workers stands, if there is one."""
         if not self._samples:
-            self.sample()
+            newest = self._newest
+            if not fresh and newest is not None and newest[0] == frozenset(self._pids_now()):  # read before
+                with self._lock:
+                    self._samples.append(newest[1])
+            else:
+                self.sample(most=SYNC_READ_WORKERS)
         with self._lock:
             samples, self._samples, self.latest = self._samples, [], None
             self._window += 1
@@ -132,10 +157,16 @@ class MemoryWatch:
         share = CPU_SHARE_NEAR if self.pressure >= 0.75 or self.measuring else CPU_SHARE_FAR
         return max(self.interval_s, self._read_s / share)
 
+    def _pids_now(self) -> list[int]:
+        try:
+            return list(self._worker_pids())
+        except Exception:  # the loader is being rebuilt
+            return []
+
     def _run(self) -> None:
         while not self._stop.wait(self.next_interval()):
             t0 = time.perf_counter()
-            self.sample()
+            self.sample(most=THREAD_READ_WORKERS)
             self._read_s = time.perf_counter() - t0
 
     def stop(self) -> None:
@@ -278,21 +309,23 @@ class Probe:
     def peek(self) -> WindowStats:
         return self.timer.peek_window()
 
-    def close(self) -> WindowStats:
-        """The window's statistics, host and GPU, with CPU time, worker memory and batch bytes; starts the next."""
+    def close(self, fresh: bool = True) -> WindowStats:
+        """The window's statistics, host and GPU, with CPU time, worker memory and batch bytes; starts the next.
+        ``fresh``: a decision waits on the workers' memory (see :meth:`MemoryWatch.take`)."""
         stats = self.timer.take_window()
         if self.gpu is not None:
             stats = stats.with_gpu(self.gpu.take_window())
         if self._cpu0 is not None:
             (main0, kids0), (main1, kids1) = self._cpu0, self._cpu_seconds()
             stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
-        stats = stats.with_memory(self.memory.take(), self._batch_bytes or 0.0, self._footprint(), self.epoch_batches)
+        mem = self.memory.take(fresh)
+        stats = stats.with_memory(mem, self._batch_bytes or 0.0, self._footprint(), self.epoch_batches)
         self._cpu0 = self._batch_bytes = None
         return stats
 
     def memory_only(self) -> WindowStats:
         """The memory part of a window once tuning ended (the budget is still held); starts the next."""
-        mem = self.memory.take()
+        mem = self.memory.take(fresh=False)
         return WindowStats().with_memory(mem, self._known_batch_bytes, self._footprint(), self.epoch_batches)
 
     @property

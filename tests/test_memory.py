@@ -185,6 +185,30 @@ def test_the_watch_counts_batches_per_worker_set_and_windows_apart():
     assert watch.take().samples == 1  # a window without a reading takes one at its end
 
 
+def test_a_few_workers_read_stand_for_all_and_a_window_closing_without_a_reading_reads_two_in_the_open():
+    pids = list(range(16))
+    sizes = {p: (10 + p) * MiB for p in pids}
+    read: list[list[int]] = []
+
+    def reader(ps):
+        read.append(list(ps))
+        return [sizes[p] for p in ps]
+
+    watch = MemoryWatch(lambda: pids, read=reader)
+    mem = watch.take()  # no reading from the thread in this window: the training process reads, briefly
+    assert read == [[0, 1]] and mem.samples == 1
+    assert mem.peak_total_bytes == pytest.approx(16 * 10.5 * MiB)  # 16 workers at the mean of the two read
+    watch.take()
+    assert read[-1] == [2, 3]  # the next few in turn: the largest worker is read too, over time
+    assert watch.sample().workers == 16 and read[-1] == pids  # all of them, asked for all
+    watch.take()
+    assert len(read) == 3  # the window had the thread's reading
+    watch.take(fresh=False)  # no decision waits on it (tuning ended): the latest reading of the same workers stands
+    assert len(read) == 3 and watch.take(fresh=True).samples == 1 and read[-1] == [4, 5]
+    pids[:] = [1, 2, 3]  # other workers: read, fresh or not
+    assert watch.take(fresh=False).samples == 1 and read[-1] == [1, 2]
+
+
 def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():
     from lightning_dltune.probe import CPU_SHARE_FAR, CPU_SHARE_NEAR, MemoryWatch
 
