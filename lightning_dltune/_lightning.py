@@ -7,12 +7,14 @@ lightning 2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives i
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_dltune.switch import apart_from_global
 
@@ -39,6 +41,11 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_workers"),
     ("_MultiProcessingDataLoaderIter", "_shutdown_workers"),
     ("_MultiProcessingDataLoaderIter", "_worker_pids_set"),
+    ("_MultiProcessingDataLoaderIter", "_prefetch_factor"),
+    ("_MultiProcessingDataLoaderIter", "_num_workers"),
+    ("_MultiProcessingDataLoaderIter", "_tasks_outstanding"),
+    ("_MultiProcessingDataLoaderIter", "_try_put_index"),
+    ("_MultiProcessingDataLoaderIter", "_shutdown"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
 
@@ -259,6 +266,41 @@ def shutdown_iterator(iterator: Iterator[Any]) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         _even_if_one_dies(shutdown)
+
+
+def can_change_prefetch(iterator: Any) -> bool:
+    """Whether :func:`change_prefetch` can change ``iterator``'s depth in place (PyTorch's own running workers)."""
+    return type(iterator) is _MultiProcessingDataLoaderIter and not iterator._shutdown
+
+
+def change_prefetch(loader: DataLoader, iterator: Any, prefetch: int) -> bool:
+    """Give ``loader`` and its running multi-process ``iterator`` a new ``prefetch_factor`` in place, without
+    restarting the workers: deeper, the workers are handed the extra batches at once; shallower, no batch is handed
+    until fewer than ``prefetch`` per worker are in flight. False (nothing changed) for any other iterator (a
+    ``StatefulDataLoader``'s, one with other workers, one shut down): that switch restarts the loader.
+
+    PyTorch reads the factor from the iterator's ``_prefetch_factor`` wherever it hands a batch to the workers
+    (``_try_put_index``, which asserts fewer than ``_prefetch_factor * _num_workers`` tasks are outstanding, and
+    ``_reset``, which fills the pipeline at every epoch start), and a new iterator reads the loader's."""
+    if not can_change_prefetch(iterator):
+        return False
+    if iterator._num_workers != loader.num_workers or loader.prefetch_factor is None or prefetch < 1:
+        return False
+    if "_try_put_index" not in vars(iterator):  # hands no batch over the limit, where PyTorch's own would assert
+        ref, strict = weakref.ref(iterator), type(iterator)._try_put_index
+
+        def put() -> None:
+            it = ref()
+            if it is not None and it._tasks_outstanding < it._prefetch_factor * it._num_workers:
+                strict(it)
+
+        iterator._try_put_index = put
+    more = (prefetch - iterator._prefetch_factor) * iterator._num_workers
+    iterator._prefetch_factor = prefetch
+    object.__setattr__(loader, "prefetch_factor", prefetch)  # past Lightning's record (see ResumableBatchSampler)
+    for _ in range(max(0, more)):
+        iterator._try_put_index()
+    return True
 
 
 def _even_if_one_dies(shutdown: Callable[[], None]) -> None:

@@ -332,8 +332,12 @@ class DataLoaderTuner(Callback):
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
         in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
+        in_place = self.switcher.prefetch_in_place
         stats, budget, decision = self.agreement.decide(
-            stats, self.budget, lambda s, b, f: self.state.decide(s, b, left, f, in_epoch), self.state.unagreed
+            stats,
+            self.budget,
+            lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place),
+            self.state.unagreed,
         )
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
@@ -348,7 +352,7 @@ class DataLoaderTuner(Callback):
             self._tuning_ended(trainer)
 
     def _measured(self) -> WindowStats:
-        stats = self.probe.close()
+        stats = self.probe.close(fresh=self.state.switching and self.state.tuning)
         warn_shm_risk(self.state.current, stats.batch_bytes, self.budget, self.policy.shm_fraction)
         return stats
 

@@ -204,8 +204,14 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     last = usable[-1]
     s = last.stats
+    host = (s.step_s + s.other_s) / s.steps
+    if last.settings.num_workers == 0 and s.busy_p50_s > 0:
+        # loading in the training process slows some of its steps (intra-op threads contend with it, the first
+        # steps warm up): the jump to workers is sized on the typical step, not on the mean those steps inflate
+        # (measured on the bursty benchmark: steps of 7-8 ms and of 19 ms at 0 workers, 8 ms with workers)
+        host = min(host, s.busy_p50_s)
     # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
-    busy = max((s.step_s + s.other_s) / s.steps, s.mean_gpu_busy_s)
+    busy = max(host, s.mean_gpu_busy_s)
     # (estimate or bound, 90th percentile of the batch time where it was measured)
     bounds: list[tuple[float, float]] = []
     glimpses: list[tuple[float, float]] = []
@@ -352,20 +358,35 @@ def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     fastest = min(usable, key=lambda t: t.compared_sec_per_sample)
-    ref = fastest.compared_sec_per_sample
-
-    def close(t: Trial) -> bool:
-        # measured noise, but never so wide that a config slower by `min_gain` counts as equal
-        slower, noise = faster_by(t, fastest)
-        return slower <= min(max(policy.noise_floor * ref, noise), policy.min_gain * ref)
-
-    best = min((t for t in usable if close(t)), key=lambda t: (t.settings.cost, t.compared_sec_per_sample))
+    best = min(
+        (t for t in usable if _as_fast(t, fastest, policy)), key=lambda t: (t.settings.cost, t.compared_sec_per_sample)
+    )
     start = trials[0]
     if best is start or not start.usable:
         return best
     # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
     gain, noise = faster_by(start, best)
     return best if gain > max(policy.min_gain * start.compared_sec_per_sample, noise) else start
+
+
+def _as_fast(t: Trial, fastest: Trial, policy: Policy) -> bool:
+    """Whether ``t`` is as fast as ``fastest`` within measured noise, but never so wide a noise that a config slower by
+    ``min_gain`` counts as equal."""
+    ref = fastest.compared_sec_per_sample
+    slower, noise = faster_by(t, fastest)
+    return slower <= min(max(policy.noise_floor * ref, noise), policy.min_gain * ref)
+
+
+def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Policy()) -> Trial:
+    """The running config (the last trial) instead of ``best`` where it is as fast within noise and differs from
+    ``best`` in workers or prefetch only: going back would restart the workers for no measured gain (the run-length
+    rule never pays for a switch that saves nothing), and the workers it keeps fit the budgets (they run). Not where
+    ``best`` is the starting config: moving away from the user's config needs a measured win (:func:`pick_best`)."""
+    last = trials[-1]
+    if best is last or best is trials[0] or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
+        return best
+    fastest = min((t for t in trials if t.usable), key=lambda t: t.compared_sec_per_sample)
+    return last if _as_fast(last, fastest, policy) else best
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -414,6 +435,7 @@ def decide(
     remaining_steps: int | None = None,
     probed: bool = False,
     in_epoch: bool = False,
+    in_place: bool = False,
 ) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, or settle.
 
@@ -427,6 +449,8 @@ def decide(
     in ``settings`` (a longer or resumed run may still want it; it is not a measured result to settle on).
     ``in_epoch``: the switch would happen inside an epoch on one process, where a config with more workers than
     a running one with workers starts in the background and costs less (see :func:`restart_cost_s`).
+    ``in_place``: a change of ``prefetch_factor`` alone is made on the running workers (the loader switcher can:
+    PyTorch's own workers), so it costs no restart.
 
     Raises:
         ValueError: if ``trials`` is empty.
@@ -443,6 +467,7 @@ def decide(
     best = pick_best(trials, policy)
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
+    cheapest, best = best, stay_on_running(trials, best, policy)
 
     budget_spent = len(trials) >= policy.max_trials
 
@@ -450,12 +475,17 @@ def decide(
         # before settling, see whether pinned memory would shorten the copies the GPU waits for
         pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
         gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
-        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch) is None:
+        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch, in_place) is None:
             return pin
+        if best is not cheapest:
+            reason += (
+                f"; staying on {best.settings.describe()}: {cheapest.settings.describe()} was as fast within noise, "
+                "and going back would restart the workers for nothing"
+            )
         return Decision("settle", best.settings, reason, est)
 
     def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
-        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch)
+        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch, in_place)
         return Decision("hold", cand, wasted, est) if wasted else Decision("try", cand, reason, est)
 
     stall = last.stats.effective_stall_frac
@@ -602,10 +632,11 @@ def _wasted(
     remaining: int | None,
     policy: Policy,
     in_epoch: bool = False,
+    in_place: bool = False,
 ) -> str | None:
     """Why switching to ``cand`` would not pay (``None`` when it would, or when the run's length is unknown).
-    ``in_epoch``: see :func:`decide`."""
-    if remaining is None:
+    ``in_epoch``, ``in_place``: see :func:`decide`."""
+    if remaining is None or (in_place and gain_s > 0 and trials[-1].settings.only_prefetch_differs(cand)):
         return None
     current = trials[-1].settings.num_workers
     behind = in_epoch and 0 < current < cand.num_workers and handover_lead(trials) > 0

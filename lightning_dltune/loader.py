@@ -78,6 +78,7 @@ class LoaderSwitcher:
         self._pending: LoaderSettings | None = None
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
+        self.in_place = 0  # prefetch changes made on the running workers (no restart)
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -256,12 +257,36 @@ class LoaderSwitcher:
         (both worker sets are alive for a while: the caller checked they fit)."""
         assert self.trainer is not None
         self.aim(settings)
-        if settings == self.state.current and not (everywhere and not now):
+        same = settings == self.state.current and not (everywhere and not now)
+        if same or (not everywhere and self._in_place(settings)):  # nothing to build
             self._pending, self._reload = None, False
         elif now:
             self._pending, self._behind = settings, behind
         elif not last_epoch:
             self._reload = True  # at the epoch's end: tearing the loader down now would end this epoch early
+
+    @property
+    def prefetch_in_place(self) -> bool:
+        """Whether a change of ``prefetch_factor`` alone is made on the running workers, with no restart: the running
+        loader's workers are PyTorch's own, serving through the guard, and no new loader is starting behind them."""
+        guard, current = self._guarded, self.state.current
+        if guard is None or guard.next is not None or current is None or current.num_workers == 0:
+            return False
+        return LoaderSettings.from_loader(guard.loader) == current and _lightning.can_change_prefetch(guard.inner)
+
+    def _in_place(self, settings: LoaderSettings) -> bool:
+        """Change the running loader's ``prefetch_factor`` on its running workers, when that is all that changes."""
+        current, guard = self.state.current, self._guarded
+        if current is None or guard is None or not current.only_prefetch_differs(settings):
+            return False
+        assert settings.prefetch_factor is not None
+        if not self.prefetch_in_place or not _lightning.change_prefetch(
+            guard.loader, guard.inner, settings.prefetch_factor
+        ):
+            return False
+        self.state.current = LoaderSettings.from_loader(guard.loader)
+        self.in_place += 1
+        return True
 
     @property
     def waiting_for_epoch_end(self) -> bool:

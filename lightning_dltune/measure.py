@@ -57,6 +57,7 @@ class WindowStats:
     busy_sem_s: float = 0.0  # standard error of the mean per-step busy time (step and other)
     busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
     busy_trim_sem_s: float = 0.0
+    busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
@@ -271,7 +272,8 @@ class _Accumulator:
         busy_sem = self._busy_var.sem() * few(self.steps - 1) if self.steps > 1 else 0.0
         waits = sorted(self._waits)
         trim, trim_sem = trimmed_mean_sem(self._walls)
-        busy_trim, busy_trim_sem = trimmed_mean_sem([w - x for w, x in zip(self._walls, self._waits, strict=True)])
+        busy = [w - x for w, x in zip(self._walls, self._waits, strict=True)]
+        busy_trim, busy_trim_sem = trimmed_mean_sem(busy)
         return WindowStats(
             steps=self.steps,
             samples=self.samples,
@@ -289,6 +291,7 @@ class _Accumulator:
             busy_sem_s=busy_sem,
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,
+            busy_p50_s=quantile(sorted(busy), 0.5),
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
             build_s=self.build,

@@ -64,6 +64,11 @@ class LoaderSettings:
     def with_prefetch(self, prefetch_factor: int) -> LoaderSettings:
         return replace(self, prefetch_factor=prefetch_factor)
 
+    def only_prefetch_differs(self, other: LoaderSettings) -> bool:
+        """Whether ``other`` is these settings with another ``prefetch_factor`` only (workers on both): a change the
+        loader switcher makes in place, on the running workers (``_lightning.change_prefetch``)."""
+        return self.num_workers > 0 and self != other and replace(other, prefetch_factor=self.prefetch_factor) == self
+
     @property
     def cost(self) -> tuple[int, int, int]:
         """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight, then no

@@ -179,11 +179,13 @@ class TuningState:
         remaining_steps: int | None,
         failed: Sequence[LoaderSettings] = (),
         in_epoch: bool = False,
+        in_place: bool = False,
     ) -> Decision | None:
         """What to do after a window on the current config (``None`` while observing or disabled, or once tuning
         ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
-        settles on the same fallback. ``in_epoch``: a switch would happen inside the epoch on one process (see
-        :func:`~lightning_dltune.decide.decide`). Pure."""
+        settles on the same fallback. ``in_epoch``: a switch would happen inside the epoch on one process;
+        ``in_place``: a prefetch change is made on the running workers (see :func:`~lightning_dltune.decide.decide`).
+        Pure."""
         if failed:
             never = set(failed) | self.failed_configs
             fallback = self._fallback(never, failed[0])
@@ -200,7 +202,7 @@ class TuningState:
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide(
-            [*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory, in_epoch
+            [*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory, in_epoch, in_place
         )
 
     def handover_lead(self) -> int:

@@ -169,8 +169,22 @@ def trial(
             [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 12, 10), trial(16, 11.5, 10)],
             BUDGET,
             "settle",
+            cfg(16),
+            id="more workers stopped paying: the running config, as fast, stays (going back would restart)",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 12, 10), trial(16, 13.5, 10)],
+            BUDGET,
+            "settle",
             cfg(8),
-            id="more workers stopped paying: cheapest of the fastest",
+            id="more workers stopped paying: back to the cheaper config where the running one is slower beyond noise",
+        ),
+        pytest.param(
+            [trial(0, 1.0, 10), trial(2, 0.9, 10)],
+            BUDGET,
+            "settle",
+            cfg(0),
+            id="back to the user's config where the running one is no measured win over it",
         ),
         pytest.param(
             [trial(0, 80, 10, fetch_cpu_ms=1), trial(8, 2, 10, p50_ms=0.1, p90_ms=8)],
@@ -230,6 +244,20 @@ def test_estimate_takes_the_tightest_bound_over_the_history():
     assert est.batch_s == pytest.approx(0.160)  # 8 * 25 ms = 200 ms is a looser bound
     assert est.needed_workers == 20
     assert not est.cpu_bound
+
+
+def test_the_jump_from_0_workers_is_sized_on_the_typical_step_not_the_mean_its_slow_steps_inflate():
+    # the bursty benchmark's 0-worker window: steps of 7-8 ms and some of 19 ms (loading in the training process),
+    # a mean of 12.5 ms where the step with workers takes 8 ms
+    slow_steps = replace(trial(0, 60, 12.5, p90_ms=98).stats, busy_p50_s=0.008)
+    [start] = [Trial(cfg(0), slow_steps)]
+    assert estimate([start], BUDGET).busy_s == pytest.approx(0.008)
+    assert decide([start], Budget(cpus=2, max_workers=64)).settings == cfg(16)  # ceil(1.25 * 98 / 8), not 10
+    # with workers the mean stands: every step, slow or not, is one the loader must keep up with
+    with_workers = replace(trial(8, 5, 12.5).stats, busy_p50_s=0.008)
+    assert estimate([start, Trial(cfg(8), with_workers)], BUDGET).busy_s == pytest.approx(0.0125)
+    # a window from an older cache (no median): the mean
+    assert estimate([trial(0, 60, 12.5)], BUDGET).busy_s == pytest.approx(0.0125)
 
 
 @pytest.mark.parametrize(
@@ -431,6 +459,19 @@ def test_a_start_in_the_background_is_charged_its_build_not_its_first_batches():
     behind = replace(behind, stats=replace(behind.stats, startup_s=0.4, build_s=0.08, startup_behind=1))
     assert restart_cost_s([*history, behind], 16, behind=True) == pytest.approx(0.8)
     assert restart_cost_s([*history, behind], 16) == pytest.approx(3.2)  # in the open: the largest measured
+
+
+def test_a_prefetch_change_made_on_the_running_workers_is_charged_no_restart():
+    # 16 workers (the cap) and bursty waits: deeper prefetch is the next move; restarting 16 workers costs 16 x 0.2 s
+    running = trial(16, 3.0, 9, p50_ms=0.5, p90_ms=12)
+    running = replace(running, stats=replace(running.stats, startup_s=3.2))
+    history = [trial(0, 70, 12, fetch_cpu_ms=1), running]
+    held = decide(history, BUDGET, remaining_steps=200)  # saves about 1.5 ms x 200 = 0.3 s, less than 3.2 s
+    assert held.action == "hold" and held.settings == cfg(16, 4)
+    tried = decide(history, BUDGET, remaining_steps=200, in_place=True)  # the same workers go on: nothing to pay
+    assert (tried.action, tried.settings) == ("try", cfg(16, 4)), tried.reason
+    # a change of workers still restarts them, in place or not
+    assert decide([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, remaining_steps=4, in_place=True).action == "hold"
 
 
 def rate(t):

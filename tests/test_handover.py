@@ -7,7 +7,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch
+from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, run
 from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
 from lightning_dltune import DataLoaderTuner
@@ -198,3 +198,35 @@ def test_a_fit_that_ends_before_the_hand_over_leaves_no_worker_behind(tmp_path):
         assert live_children() == []
     finally:
         gc.enable()
+
+
+class DeepenPrefetch(pl.Callback):
+    """Asks the tuner's switcher for a deeper prefetch at batch ``at`` of the first epoch (as a decision would), and
+    records the workers serving then and at the next epoch's first batch."""
+
+    def __init__(self, tuner, at):
+        self.tuner, self.at = tuner, at
+        self.pids: list[list[int]] = []
+        self.depth: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = self.tuner.switcher._guarded
+        if (trainer.current_epoch, batch_idx) in ((0, self.at), (1, 0)):
+            self.pids.append([w.pid for w in guard.inner._workers])
+            self.depth.append(trainer.train_dataloader.prefetch_factor)
+        if (trainer.current_epoch, batch_idx) == (0, self.at):
+            deeper = self.tuner.state.current.with_prefetch(4)
+            self.tuner.state.target = deeper
+            self.tuner.switcher.switch(deeper, now=True, last_epoch=False)
+
+
+def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_order(tmp_path):
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
+    # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
+    tuner = DataLoaderTuner(max_trials=1)
+    deepen = DeepenPrefetch(tuner, at=20)
+    tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[deepen])
+    assert tuned == reference
+    assert tuner.switcher.in_place == 1 and tuner.state.current.prefetch_factor == 4
+    assert deepen.depth == [2, 4]  # the loader says so at the next epoch
+    assert deepen.pids[0] == deepen.pids[1]  # the same worker processes: nothing restarted

@@ -100,6 +100,34 @@ def test_torch_dataloader_internals_used_for_switching_exist():
         _lightning.shutdown_workers(dl)
 
 
+def test_prefetch_changes_in_place_on_running_workers_and_every_batch_comes_once_in_order():
+    dl = DataLoader(list(range(64)), batch_size=2, num_workers=2, prefetch_factor=2, persistent_workers=True)
+    it = iter(dl)
+    try:
+        pids = [w.pid for w in it._workers]
+        seen = [next(it).tolist() for _ in range(3)]
+
+        def in_flight():  # batches handed to the workers, not yet delivered
+            return it._send_idx - it._rcvd_idx
+
+        assert in_flight() == 4
+        assert _lightning.change_prefetch(dl, it, 4)
+        assert in_flight() == 8 and dl.prefetch_factor == 4  # the extra batches handed over at once
+        seen += [next(it).tolist() for _ in range(5)]
+        assert _lightning.change_prefetch(dl, it, 1)  # shallower: PyTorch's own hand-out would assert here
+        seen += [b.tolist() for b in it]
+        assert seen == [[i, i + 1] for i in range(0, 64, 2)]
+        assert in_flight() == 0
+        again = iter(dl)  # a persistent loader's next epoch: its pipeline refilled at the new depth
+        assert again is it and in_flight() == 2
+        assert [w.pid for w in it._workers] == pids  # the same workers throughout
+        assert [b.tolist() for b in again] == [[i, i + 1] for i in range(0, 64, 2)]
+    finally:
+        _lightning.shutdown_workers(dl)
+    assert not _lightning.change_prefetch(dl, it, 2)  # shut down: a switch restarts the loader instead
+    assert not _lightning.change_prefetch(dl, iter(DataLoader(list(range(4)))), 2)  # no workers
+
+
 def test_a_carried_iterator_is_what_iter_returns_for_persistent_and_new_iterators():
     # seamless epochs: `DataLoader.__iter__` asks `self._get_iterator()` for a new iterator, and a persistent
     # loader asks only while its `_iterator` is None

@@ -153,6 +153,7 @@ def test_one_step_slowed_from_outside_neither_hides_a_gain_nor_makes_one(timer_a
     pinned = window(timer, clock, [7.0] * 25)
     assert slow.wall_trim_s == pytest.approx(0.011) and slow.wall_sem_s > 0.005
     assert slow.busy_trim_s == pytest.approx(0.011)  # the busy time too: configs are compared on it (faster_by)
+    assert slow.busy_p50_s == pytest.approx(0.011)  # and its median (what the jump from 0 workers is sized on)
     start, faster = Trial(LoaderSettings(0), slow), Trial(LoaderSettings(0, pin_memory=True), pinned)
     assert pick_best([start, faster]) is faster
     # the same pause in the start's window does not make an equal config look faster
