@@ -332,13 +332,9 @@ class DataLoaderTuner(Callback):
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
         in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
-        in_place = self.switcher.prefetch_in_place
-        stats, budget, decision = self.agreement.decide(
-            stats,
-            self.budget,
-            lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place),
-            self.state.unagreed,
-        )
+        in_place = self.switcher.prefetch_in_place  # a prefetch change restarts nothing
+        choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
+        stats, budget, decision = self.agreement.decide(stats, self.budget, choose, self.state.unagreed)
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
         self.probe.memory.measuring = self.state.probing_memory

@@ -58,7 +58,7 @@ class Policy:
     stall_threshold: float = 0.05
     max_trials: int = 6
     min_steps: int = 8
-    early_steps: int = 3  # steady steps enough to act on a stall that is plainly the loader's
+    early_steps: int = 2  # steady steps enough to act on a stall that is plainly the loader's (its bound decides)
     early_stall: float = 0.5  # ... when even its lower confidence bound is at least this
     headroom: float = 1.25
     min_gain: float = 0.05
@@ -381,9 +381,11 @@ def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Polic
     """The running config (the last trial) instead of ``best`` where it is as fast within noise and differs from
     ``best`` in workers or prefetch only: going back would restart the workers for no measured gain (the run-length
     rule never pays for a switch that saves nothing), and the workers it keeps fit the budgets (they run). Not where
-    ``best`` is the starting config: moving away from the user's config needs a measured win (:func:`pick_best`)."""
+    ``best`` is a start at 0 workers: moving away from loading in the training process needs a measured win
+    (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others."""
     last = trials[-1]
-    if best is last or best is trials[0] or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
+    user_default = best is trials[0] and best.settings.num_workers == 0
+    if best is last or user_default or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
         return best
     fastest = min((t for t in trials if t.usable), key=lambda t: t.compared_sec_per_sample)
     return last if _as_fast(last, fastest, policy) else best
@@ -418,10 +420,29 @@ def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -
     return busy_now < 0.75 * busy_then and last.stats.stall_lower_bound() > policy.stall_threshold
 
 
+def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+    """Whether the last config, with workers, stalls beyond noise after ``policy.min_steps`` steps: the lower
+    confidence bound of its stall is above ``stall_threshold``. Then a short epoch need not run to its end before
+    the next move (more workers, deeper prefetch, or settling): it is taken while enough of the epoch is left for a
+    loader with more workers to start behind the running one. A window that shows no stall yet (a new loader's
+    first round of batches, loaded in parallel, can hide one) still runs to the epoch's end."""
+    last = trials[-1]
+    s = last.stats
+    return (
+        last.settings.num_workers > 0 and s.steps >= policy.min_steps and s.stall_lower_bound() > policy.stall_threshold
+    )
+
+
 def judged_early(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
-    """Whether the last trial's window can be judged before ``min_steps``: its stall is plainly the loader's
-    (:func:`plainly_input_bound`), or the jump to it was sized on a longer step (:func:`sized_on_a_longer_step`)."""
-    return plainly_input_bound(trials[-1].stats, policy) or sized_on_a_longer_step(trials, policy)
+    """Whether the last trial's window can be judged before its epoch's end or a full window: its stall is plainly
+    the loader's (:func:`plainly_input_bound`), the jump to it was sized on a longer step
+    (:func:`sized_on_a_longer_step`), or with workers it stalls beyond noise after ``min_steps``
+    (:func:`stalls_with_workers`)."""
+    return (
+        plainly_input_bound(trials[-1].stats, policy)
+        or sized_on_a_longer_step(trials, policy)
+        or stalls_with_workers(trials, policy)
+    )
 
 
 def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
@@ -534,6 +555,18 @@ def decide(
                 est,
             )
     target = min(est.needed_workers, cap)
+    past = _past_the_cpu_cap(trials, est, budget, binding) if target <= w else None
+    if past is not None:
+        cand, used = past
+        predicted_wall = max(est.busy_s, est.cpu_per_batch_s / min(est.worker_cpus, 2 * used))
+        return try_(
+            cand,
+            last.stats.mean_wall_s - predicted_wall,
+            f"the CPU budget caps the model at {w} workers, but they used {used:.1f} of the {est.worker_cpus:.0f} "
+            f"CPUs while training waited {stall:.0%} of the time: the CPUs are shared with the training process, "
+            f"and {cand.num_workers} workers measure what they get",
+            est,
+        )
     if target <= w:
         why = binding
         if est.needed_workers <= w:
@@ -563,6 +596,34 @@ def decide(
         est,
     )
     return replace(decision, probe_memory=first is not None)
+
+
+def _past_the_cpu_cap(
+    trials: Sequence[Trial], est: Estimate, budget: Budget, binding: str
+) -> tuple[LoaderSettings, float] | None:
+    """Twice the workers, tried once, where the CPU budget alone stops the model at the running count and the
+    running workers used under 90% of the CPUs they may use (with the CPUs they used). The cap takes the CPUs as the
+    workers' own, but the training process runs on them too: its threads (an intra-op pool that spins while it
+    waits, the step's own work) take a share, and the OS shares the CPUs among runnable threads, so more workers get
+    more of them (measured on 2 CPUs: a 1 ms-per-sample loader, 4 workers 4% faster than 2). Never past the other
+    budgets, and only right after the jump from 0 workers the model capped: once."""
+    last = trials[-1]
+    cur, s = last.settings, last.stats
+    w = cur.num_workers
+    if w == 0 or binding != "the CPU budget" or est.needed_workers <= w or s.wall_s <= 0:
+        return None
+    if len(trials) < 2 or any(t.settings.num_workers > 0 for t in trials[:-1]):  # once, after the jump from 0
+        return None
+    used = s.worker_cpu_s / s.wall_s
+    if used <= 0 or used >= 0.9 * est.worker_cpus:
+        return None
+    caps = [2 * w, est.needed_workers, budget.max_workers]
+    if est.mem_cap_workers is not None:
+        caps.append(est.mem_cap_workers)
+    if est.shm_cap_slots is not None:
+        caps.append(est.shm_cap_slots // max(1, cur.prefetch_factor or 2))
+    more = min(caps)
+    return (cur.with_workers(more), used) if more > w else None
 
 
 def _slowest(est: Estimate) -> str:

@@ -67,7 +67,9 @@ class LoaderSettings:
     def only_prefetch_differs(self, other: LoaderSettings) -> bool:
         """Whether ``other`` is these settings with another ``prefetch_factor`` only (workers on both): a change the
         loader switcher makes in place, on the running workers (``_lightning.change_prefetch``)."""
-        return self.num_workers > 0 and self != other and replace(other, prefetch_factor=self.prefetch_factor) == self
+        if self.num_workers == 0 or other.num_workers != self.num_workers or self == other:
+            return False
+        return replace(other, prefetch_factor=self.prefetch_factor) == self
 
     @property
     def cost(self) -> tuple[int, int, int]:

@@ -43,8 +43,8 @@ def test_location_follows_the_environment(tmp_path, monkeypatch):
     assert default_cache_path() == tmp_path / "lightning-dltune" / "cache.json"
 
 
-def fit(tmp_path, tuner, epochs=3, latency_ms=10.0, step_ms=20):
-    dm = SyntheticDataModule(SyntheticDataset(length=192, latency_ms=latency_ms), batch_size=16, num_workers=0)
+def fit(tmp_path, tuner, epochs=3, latency_ms=10.0, step_ms=20, length=192):
+    dm = SyntheticDataModule(SyntheticDataset(length=length, latency_ms=latency_ms), batch_size=16, num_workers=0)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=epochs, logger=False)
     trainer.fit(SimulatedModel(step_ms=step_ms), datamodule=dm)
     return tuner
@@ -71,7 +71,8 @@ def test_cache_can_be_disabled(tmp_path):
 
 
 def test_a_run_too_short_to_tune_does_not_teach_the_cache_its_starting_config(tmp_path):
-    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=1)
+    # 4 batches: the stall is plain after 2 steps, but 1 step is left to pay for any worker's start
+    first = fit(tmp_path / "1", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=1, length=64)
     assert first.phase == "held" and first.best_settings["num_workers"] == 0
     assert "a longer or resumed run goes on to workers=" in first.diagnosis
     second = fit(tmp_path / "2", DataLoaderTuner(cache=tmp_path / "c.json"), epochs=3)

@@ -90,7 +90,21 @@ def trial(
             cfg(0),
             id="a 7% stall that a worker's hand-over (1 ms, the prior) would cost as much as it hides keeps 0 workers",
         ),
-        pytest.param([trial(0, 160, 10, steps=2)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param([trial(0, 160, 10, steps=1)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param(
+            [trial(0, 60, 10, steps=2, wait_sem_ms=40, busy_sem_ms=1)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="two steps of a bursty wait: its lower bound is not plainly the loader's yet",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, steps=2, wait_sem_ms=1, busy_sem_ms=2)],
+            BUDGET,
+            "try",
+            cfg(16),
+            id="two steps waiting 160 ms beyond doubt: decided (a confidence bound, not a count)",
+        ),
         pytest.param(
             [trial(0, 160, 10, steps=3)], BUDGET, "try", cfg(16), id="an overwhelming stall is judged after 3 steps"
         ),
@@ -138,11 +152,29 @@ def trial(
             id="... a full window at 0 workers is not: the tightest bound holds",
         ),
         pytest.param(
-            [trial(0, 17, 9, steps=3, fetch_cpu_ms=17), trial(2, 8, 10, steps=35, worker_cpu_ms=18)],
+            [trial(0, 17, 9, steps=3, fetch_cpu_ms=17), trial(2, 8, 10, steps=35, worker_cpu_ms=34)],
             BUDGET,
             "settle",
             cfg(2),
             id="the CPU cap reads the uncontended batch time, not workers waiting for the CPUs",
+        ),
+        pytest.param(
+            [trial(0, 17, 9, steps=3, fetch_cpu_ms=17), trial(2, 8, 10, steps=35, worker_cpu_ms=18)],
+            BUDGET,
+            "try",
+            cfg(4),
+            id="... but workers that used half the CPUs at the cap try twice as many once: the OS shares the CPUs",
+        ),
+        pytest.param(
+            [
+                trial(0, 17, 9, steps=3, fetch_cpu_ms=17),
+                trial(2, 8, 10, steps=35, worker_cpu_ms=18),
+                trial(4, 7.5, 10, steps=35, worker_cpu_ms=18),
+            ],
+            BUDGET,
+            "settle",
+            cfg(4),
+            id="... once: as fast within noise, the running config stays",
         ),
         pytest.param(
             [trial(0, 80, 10), trial(10, 3, 5, steps=3)],
@@ -184,7 +216,14 @@ def trial(
             BUDGET,
             "settle",
             cfg(0),
-            id="back to the user's config where the running one is no measured win over it",
+            id="back to the user's 0 workers where the running config is no measured win over them",
+        ),
+        pytest.param(
+            [trial(12, 2.5, 10, steps=15), trial(16, 2.0, 10, steps=23)],
+            BUDGET,
+            "settle",
+            cfg(16),
+            id="a start with workers (a cache hit) is one config among others: the running one, as fast, stays",
         ),
         pytest.param(
             [trial(0, 80, 10, fetch_cpu_ms=1), trial(8, 2, 10, p50_ms=0.1, p90_ms=8)],

@@ -83,7 +83,10 @@ class Leaky(SyntheticDataset):
 @pytest.mark.timeout(240)
 def test_memory_growing_past_the_budget_mid_epoch_switches_down_inside_the_epoch_exactly(tmp_path):
     dataset = Leaky()
-    tuner = DataLoaderTuner(max_memory=160 * MiB)
+    # max_workers=4: the user's own 4 workers are the ones that grow past the budget (a stalling window with
+    # workers is judged after min_steps, and the tuner would otherwise add workers first); the default ceiling's
+    # path through the budget is the test above
+    tuner = DataLoaderTuner(max_memory=160 * MiB, max_workers=4)
     record, workers = EpochIndices(), WorkersPerBatch()
     dm = SyntheticDataModule(dataset, batch_size=8, num_workers=4)  # the user's own 4 (persistent) workers
     trainer = make_trainer(tmp_path, [tuner, record, workers], max_epochs=2, logger=False)

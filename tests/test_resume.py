@@ -47,14 +47,19 @@ def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_t
     assert spy.workers == [first.best_settings["num_workers"]] * 2  # from the first resumed epoch on
 
 
+def short_data():
+    """4 batches an epoch: the stall is plain after 2 steps, with 1 step left, too few to pay for a start."""
+    return SyntheticDataModule(SyntheticDataset(length=64, latency_ms=10.0), batch_size=16, num_workers=0)
+
+
 def test_resumed_mid_tuning_it_continues_where_it_was(tmp_path):
-    first, _ = fit(tmp_path, epochs=1)
+    first, _ = fit(tmp_path, epochs=1, dm=short_data())
     # the run ended after its first window: too late to pay for a switch, so it stays and plans the next config
     assert first.phase == "held" and len(first.trials) == 1
     planned = first.state_dict()["target"]["num_workers"]
     assert planned > 0
     spy = LoaderSpy()
-    second, _ = fit(tmp_path, epochs=3, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy)
+    second, _ = fit(tmp_path, epochs=3, ckpt_path=tmp_path / "ckpt" / "last.ckpt", spy=spy, dm=short_data())
     assert spy.workers[0] == planned  # the config decided before the checkpoint is the next one measured
     assert second.trials[0] == first.trials[0] and len(second.trials) >= 2
 

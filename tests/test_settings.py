@@ -48,3 +48,13 @@ def test_cost_orders_fewer_workers_then_fewer_batches_in_flight():
 def test_round_trips_through_a_dict():
     s = LoaderSettings.normalized(5, 3, pin_memory=True)
     assert LoaderSettings.from_dict(s.to_loader_kwargs()) == s
+
+
+def test_only_a_prefetch_change_is_one_the_running_workers_can_take():
+    running = LoaderSettings.normalized(4, 2)
+    assert running.only_prefetch_differs(running.with_prefetch(4))
+    assert not running.only_prefetch_differs(running)
+    assert not running.only_prefetch_differs(running.with_workers(8))
+    assert not running.only_prefetch_differs(LoaderSettings.normalized(0))  # a switch down to 0 workers
+    assert not running.only_prefetch_differs(LoaderSettings.normalized(4, 4, pin_memory=True))
+    assert not LoaderSettings.normalized(0).only_prefetch_differs(running)

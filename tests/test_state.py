@@ -192,8 +192,8 @@ def test_batches_left(args, left):
         ("in_epoch", 20, 0.1, 100, False, 1.0, True),  # a full window in in-epoch mode
         ("in_epoch", 10, 0.1, 100, False, 1.0, False),  # not full yet
         ("in_epoch", 20, 0.1, 5, False, 1.0, False),  # too close to the epoch's end: the epoch end judges
-        ("auto", 3, 0.9, 100, False, 1.0, True),  # plainly the loader beyond noise: close after 3 steps
-        ("auto", 2, 0.9, 100, False, 1.0, False),  # ... not after 2
+        ("auto", 2, 0.9, 100, False, 1.0, True),  # plainly the loader beyond noise: close after 2 steps
+        ("auto", 1, 0.9, 100, False, 1.0, False),  # ... not after 1
         ("auto", 8, 0.3, 100, False, 1.0, False),  # a close call waits for the epoch (or a full window)
         ("auto", 8, 0.9, 100, True, 1.0, False),  # ... and never on a rank-local test under DDP
         ("auto", 20, 0.1, 100, False, 1.0, False),  # a short epoch waits for its end
