@@ -276,8 +276,9 @@ def can_change_prefetch(iterator: Any) -> bool:
 def change_prefetch(loader: DataLoader, iterator: Any, prefetch: int) -> bool:
     """Give ``loader`` and its running multi-process ``iterator`` a new ``prefetch_factor`` in place, without
     restarting the workers: deeper, the workers are handed the extra batches at once; shallower, no batch is handed
-    until fewer than ``prefetch`` per worker are in flight. False (nothing changed) for any other iterator (a
-    ``StatefulDataLoader``'s, one with other workers, one shut down): that switch restarts the loader.
+    while ``prefetch`` per worker or more are outstanding (handed and not yet received). False (nothing changed)
+    for any other iterator (a ``StatefulDataLoader``'s, one with other workers, one shut down): that switch
+    restarts the loader.
 
     PyTorch reads the factor from the iterator's ``_prefetch_factor`` wherever it hands a batch to the workers
     (``_try_put_index``, which asserts fewer than ``_prefetch_factor * _num_workers`` tasks are outstanding, and

@@ -217,6 +217,7 @@ class DataLoaderTuner(Callback):
             max(1, int(trainer.num_devices)), self.max_workers, self.max_prefetch, self.max_memory
         )
         self.agreement = Agreement(trainer.strategy)
+        self.switcher.single_process = not self.agreement.distributed
         self.probe.start(trainer.strategy.root_device, self.log_gpu)
         self.switcher.install(trainer)
 

@@ -204,14 +204,8 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     last = usable[-1]
     s = last.stats
-    host = (s.step_s + s.other_s) / s.steps
-    if last.settings.num_workers == 0 and s.busy_p50_s > 0:
-        # loading in the training process slows some of its steps (intra-op threads contend with it, the first
-        # steps warm up): the jump to workers is sized on the typical step, not on the mean those steps inflate
-        # (measured on the bursty benchmark: steps of 7-8 ms and of 19 ms at 0 workers, 8 ms with workers)
-        host = min(host, s.busy_p50_s)
     # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
-    busy = max(host, s.mean_gpu_busy_s)
+    busy = max(_host_busy(last), s.mean_gpu_busy_s)
     # (estimate or bound, 90th percentile of the batch time where it was measured)
     bounds: list[tuple[float, float]] = []
     glimpses: list[tuple[float, float]] = []
@@ -281,6 +275,16 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         mem_life_batches=life,
         mem_ceiling_bytes=ceiling or 0.0,
     )
+
+
+def _host_busy(t: Trial) -> float:
+    """The host's busy time per step (step and other host work) the workers are sized on. At 0 workers, the median
+    step where it was measured: loading in the training process slows some of its steps (intra-op threads contend
+    with it, the first steps warm up), and the jump to workers is sized on the typical step, not on the mean those
+    steps inflate (the bursty benchmark: steps of 7-8 ms and of 19 ms at 0 workers, 8 ms with workers)."""
+    s = t.stats
+    mean = (s.step_s + s.other_s) / s.steps
+    return min(mean, s.busy_p50_s) if t.settings.num_workers == 0 and s.busy_p50_s > 0 else mean
 
 
 def worker_memory(trials: Sequence[Trial], policy: Policy = Policy()) -> tuple[WorkerMemory, bool]:
@@ -377,15 +381,18 @@ def _as_fast(t: Trial, fastest: Trial, policy: Policy) -> bool:
     return slower <= min(max(policy.noise_floor * ref, noise), policy.min_gain * ref)
 
 
-def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Policy()) -> Trial:
+def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Policy(), in_place: bool = False) -> Trial:
     """The running config (the last trial) instead of ``best`` where it is as fast within noise and differs from
     ``best`` in workers or prefetch only: going back would restart the workers for no measured gain (the run-length
     rule never pays for a switch that saves nothing), and the workers it keeps fit the budgets (they run). Not where
     ``best`` is a start at 0 workers: moving away from loading in the training process needs a measured win
-    (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others."""
+    (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others. Nor where
+    going back changes only the prefetch and is made on the running workers (``in_place``): it restarts nothing."""
     last = trials[-1]
     user_default = best is trials[0] and best.settings.num_workers == 0
     if best is last or user_default or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
+        return best
+    if in_place and last.settings.only_prefetch_differs(best.settings):
         return best
     fastest = min((t for t in trials if t.usable), key=lambda t: t.compared_sec_per_sample)
     return last if _as_fast(last, fastest, policy) else best
@@ -416,7 +423,7 @@ def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -
     last, before = usable[-1], usable[-2]
     if before.settings.num_workers != 0 or last.settings.num_workers == 0 or last.stats.steps < policy.early_steps:
         return False
-    busy_now, busy_then = ((t.stats.step_s + t.stats.other_s) / t.stats.steps for t in (last, before))
+    busy_now, busy_then = _host_busy(last), _host_busy(before)  # the step the jump was sized on
     return busy_now < 0.75 * busy_then and last.stats.stall_lower_bound() > policy.stall_threshold
 
 
@@ -488,7 +495,7 @@ def decide(
     best = pick_best(trials, policy)
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
-    cheapest, best = best, stay_on_running(trials, best, policy)
+    cheapest, best = best, stay_on_running(trials, best, policy, in_place)
 
     budget_spent = len(trials) >= policy.max_trials
 
@@ -514,7 +521,7 @@ def decide(
         seen = "the GPU's idle gap" if last.stats.gpu_stall_frac is not None else "stall"
         return settle(f"{seen} {stall:.1%} is below the {policy.stall_threshold:.0%} threshold")
     if budget_spent:
-        return Decision("settle", best.settings, f"tuning budget of {policy.max_trials} trials spent")
+        return settle(f"tuning budget of {policy.max_trials} trials spent")
     earlier = [t for t in usable[:-1] if t.settings != last.settings]
     if earlier and not probed:
         prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
@@ -522,6 +529,8 @@ def decide(
             what = "more workers stopped paying"
             if last.settings.pin_memory != prev.settings.pin_memory:
                 what = "pinned memory did not pay"
+            elif prev.settings.only_prefetch_differs(last.settings):
+                what = "deeper prefetch did not pay"
             return settle(
                 f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than "
                 f"{prev.settings.describe()}: {what}"

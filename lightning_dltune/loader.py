@@ -79,6 +79,9 @@ class LoaderSwitcher:
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
         self.in_place = 0  # prefetch changes made on the running workers (no restart)
+        # one process (set at setup): only then is a prefetch change made in place; under DDP every rank must take
+        # the same path, and a rank whose change could not be made in place would wait at Lightning's reload barrier
+        self.single_process = True
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -267,10 +270,12 @@ class LoaderSwitcher:
 
     @property
     def prefetch_in_place(self) -> bool:
-        """Whether a change of ``prefetch_factor`` alone is made on the running workers, with no restart: the running
-        loader's workers are PyTorch's own, serving through the guard, and no new loader is starting behind them."""
+        """Whether a change of ``prefetch_factor`` alone is made on the running workers, with no restart: one process,
+        the running loader's workers are PyTorch's own, serving through the guard (a map-style dataset with a plain
+        batch sampler, not ``mode="epoch"``), still running (a loader that is not persistent stops its workers at
+        the epoch's end), and no new loader is starting behind them."""
         guard, current = self._guarded, self.state.current
-        if guard is None or guard.next is not None or current is None or current.num_workers == 0:
+        if not self.single_process or guard is None or guard.next is not None or current is None:
             return False
         return LoaderSettings.from_loader(guard.loader) == current and _lightning.can_change_prefetch(guard.inner)
 

@@ -108,9 +108,9 @@ class MemoryWatch:
             return None
         read = pids
         if most is not None and len(pids) > most:  # a different few each time: the largest is seen over time
-            first = self._rotation % len(pids)
+            with self._lock:
+                first, self._rotation = self._rotation % len(pids), self._rotation + most
             read = (pids[first:] + pids[:first])[:most]
-            self._rotation += most
         sizes = self._read(read) if read else []
         if not sizes:
             return None
@@ -129,9 +129,9 @@ class MemoryWatch:
 
     def take(self, fresh: bool = True) -> WorkerMemory:
         """The fit of the window's readings; starts the next window. A window the thread read nothing in (it reads
-        at most a small share of a CPU: every 10 s for 16 torch workers) reads ``SYNC_READ_WORKERS`` of the workers
-        now, in the training process; unless not ``fresh`` (no decision waits on it: tuning ended, or only
-        observing), where the latest reading of the same workers stands, if there is one."""
+        at most a small share of a CPU: every 2 s or so for torch workers, far from the budget) reads
+        ``SYNC_READ_WORKERS`` of the workers now, in the training process; unless not ``fresh`` (no decision waits
+        on it: tuning ended, or only observing), where the latest reading of the same workers stands, if any."""
         if not self._samples:
             newest = self._newest
             if not fresh and newest is not None and newest[0] == frozenset(self._pids_now()):  # read before

@@ -161,8 +161,9 @@ class TuningState:
     # --- deciding -----------------------------------------------------------------------------------------------
     def judge_early(self, stats: WindowStats, on_gpu: bool = False) -> bool:
         """Whether the window so far (``stats``: the host's, on the current config) can be judged before it is
-        full: its stall is plainly the loader's beyond noise, or the jump to it was sized on a longer step than
-        it has (see :func:`~lightning_dltune.decide.plainly_input_bound` and ``sized_on_a_longer_step``).
+        full: its stall is plainly the loader's beyond noise, the jump to it was sized on a longer step than it
+        has, or with workers it stalls beyond noise after ``min_steps`` (see
+        :func:`~lightning_dltune.decide.judged_early`).
         ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
         queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's. A window that is
         there to read a smaller config's memory before a far jump is never judged early."""

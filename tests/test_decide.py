@@ -513,6 +513,23 @@ def test_a_prefetch_change_made_on_the_running_workers_is_charged_no_restart():
     assert decide([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, remaining_steps=4, in_place=True).action == "hold"
 
 
+def test_going_back_to_a_shallower_prefetch_on_the_running_workers_is_free_so_the_cheaper_config_is_chosen():
+    history = [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 2.0, 10), trial(16, 1.9, 10, prefetch=4)]
+    assert decide(history, BUDGET).settings == cfg(16, 4)  # a restart to go back: the running config stays
+    back = decide(history, BUDGET, in_place=True)  # made on the running workers: nothing to restart
+    assert (back.action, back.settings) == ("settle", cfg(16)) and "deeper prefetch did not pay" in back.reason
+
+
+def test_the_step_with_workers_is_compared_with_the_step_the_jump_was_sized_on():
+    from lightning_dltune.decide import sized_on_a_longer_step
+
+    # 0 workers: a mean step of 12.5 ms inflated by slow steps, a median of 8 ms (what the jump was sized on)
+    start = Trial(cfg(0), replace(trial(0, 60, 12.5).stats, busy_p50_s=0.008))
+    jumped = trial(16, 3.0, 8.0, steps=4, wait_sem_ms=0.5, busy_sem_ms=0.2)
+    assert not sized_on_a_longer_step([start, jumped])  # 8 ms is the step it was sized on: no early re-judging
+    assert sized_on_a_longer_step([trial(0, 60, 12.5), jumped])  # a mean of 12.5 ms did size it on too long a step
+
+
 def rate(t):
     return t.stats.samples_per_s
 
