@@ -88,7 +88,7 @@ class MemoryWatch:
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
         self._pids: frozenset[int] = frozenset()
         self._rotation = 0  # where the next partial reading starts among the workers (see sample)
-        self._newest: tuple[frozenset[int], MemorySample] | None = None  # the latest reading, any window, and its set
+        self._newest: MemorySample | None = None  # the latest reading of any window (of the workers in `_pids`)
         self._set_start = 0
         self.batches = 0
         self.latest: MemorySample | None = None
@@ -102,10 +102,7 @@ class MemoryWatch:
         """Read the workers now, at most ``most`` of them (they stand for all: each worker's share is taken as the
         mean of those read); the thread calls this, and a window that saw no reading at its end."""
         window = self._window
-        try:
-            pids = list(self._worker_pids())
-        except Exception:  # the loader is being rebuilt: read next time
-            return None
+        pids = self._pids_now()
         read = pids
         if most is not None and len(pids) > most:  # a different few each time: the largest is seen over time
             with self._lock:
@@ -121,7 +118,7 @@ class MemoryWatch:
                 self._pids, self._set_start = frozenset(pids), batches
             total = sum(sizes) * workers / len(sizes)
             reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(sizes))
-            self._newest = (frozenset(pids), reading)
+            self._newest = reading
             if window == self._window:
                 self._samples.append(reading)
                 self.latest = reading
@@ -134,9 +131,9 @@ class MemoryWatch:
         on it: tuning ended, or only observing), where the latest reading of the same workers stands, if any."""
         if not self._samples:
             newest = self._newest
-            if not fresh and newest is not None and newest[0] == frozenset(self._pids_now()):  # read before
+            if not fresh and newest is not None and self._pids == frozenset(self._pids_now()):  # read before
                 with self._lock:
-                    self._samples.append(newest[1])
+                    self._samples.append(newest)
             else:
                 self.sample(most=SYNC_READ_WORKERS)
         with self._lock:
