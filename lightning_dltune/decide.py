@@ -354,19 +354,23 @@ def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
     return min(caps, key=lambda c: c[0])
 
 
-def pick_best(trials: Sequence[Trial], policy: Policy = Policy()) -> Trial:
+def pick_best(trials: Sequence[Trial], policy: Policy = Policy(), memory_limit: int | None = None) -> Trial:
     """The cheapest usable trial whose time per sample is within measured noise of the fastest one; the starting
     config unless that one is faster than it beyond noise (by ``min_gain`` at least). Times and their noise leave
-    each window's slowest block of steps out (:attr:`Trial.compared_sec_per_sample`)."""
+    each window's slowest block of steps out (:attr:`Trial.compared_sec_per_sample`). ``memory_limit``: the most
+    workers the memory budget holds, once a config went over it (``TuningState.memory_limit``): configs with more
+    are not chosen, even one measured before its workers grew (while any config within it was measured)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
+    within = [t for t in usable if memory_limit is None or t.settings.num_workers <= memory_limit]
+    usable = within or usable
     fastest = min(usable, key=lambda t: t.compared_sec_per_sample)
     best = min(
         (t for t in usable if _as_fast(t, fastest, policy)), key=lambda t: (t.settings.cost, t.compared_sec_per_sample)
     )
     start = trials[0]
-    if best is start or not start.usable:
+    if best is start or start not in usable:
         return best
     # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
     gain, noise = faster_by(start, best)
@@ -464,6 +468,7 @@ def decide(
     probed: bool = False,
     in_epoch: bool = False,
     in_place: bool = False,
+    memory_limit: int | None = None,
 ) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, or settle.
 
@@ -478,7 +483,7 @@ def decide(
     ``in_epoch``: the switch would happen inside an epoch on one process, where a config with more workers than
     a running one with workers starts in the background and costs less (see :func:`restart_cost_s`).
     ``in_place``: a change of ``prefetch_factor`` alone is made on the running workers (the loader switcher can:
-    PyTorch's own workers), so it costs no restart.
+    PyTorch's own workers), so it costs no restart. ``memory_limit``: see :func:`pick_best`.
 
     Raises:
         ValueError: if ``trials`` is empty.
@@ -492,7 +497,7 @@ def decide(
     if not usable:
         start = trials[0].settings
         return Decision("settle", start, "no config could be measured; keeping the starting config")
-    best = pick_best(trials, policy)
+    best = pick_best(trials, policy, memory_limit)
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
     cheapest, best = best, stay_on_running(trials, best, policy, in_place)

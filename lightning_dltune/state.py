@@ -203,7 +203,14 @@ class TuningState:
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
         return verified or decide(
-            [*self.trials, trial], budget, self.policy, remaining_steps, self._probing_memory, in_epoch, in_place
+            [*self.trials, trial],
+            budget,
+            self.policy,
+            remaining_steps,
+            self._probing_memory,
+            in_epoch,
+            in_place,
+            self.memory_limit,
         )
 
     def handover_lead(self) -> int:
@@ -259,7 +266,7 @@ class TuningState:
             self.target = decision.settings
             self._stop(Phase.SETTLED, decision.settings, budget, step)
         elif decision.action == "hold":
-            best = pick_best(self.trials, self.policy).settings
+            best = pick_best(self.trials, self.policy, self.memory_limit).settings
             self._stop(Phase.HELD, best, budget, step, held=decision)
             return None
         return decision if decision.action in ("try", "settle") else None
@@ -291,7 +298,7 @@ class TuningState:
     def _fallback(self, never: set[LoaderSettings], failed: LoaderSettings) -> LoaderSettings:
         usable = [t for t in self.trials if t.usable and t.settings not in never]
         if usable:
-            return pick_best(usable, self.policy).settings
+            return pick_best(usable, self.policy, self.memory_limit).settings
         if self.start is not None and self.start not in never:
             return self.start
         return failed.with_workers(failed.num_workers // 2)
@@ -343,7 +350,7 @@ class TuningState:
         usable = any(t.usable for t in self.trials)
         if not usable and (not self.tuning or self.current is None):
             return
-        best = pick_best(self.trials, self.policy).settings if usable else self.current
+        best = pick_best(self.trials, self.policy, self.memory_limit).settings if usable else self.current
         assert best is not None
         if not self.tuning or self.best_settings is None:
             self.best_settings = best.to_loader_kwargs()

@@ -530,6 +530,21 @@ def test_the_step_with_workers_is_compared_with_the_step_the_jump_was_sized_on()
     assert sized_on_a_longer_step([trial(0, 60, 12.5), jumped])  # a mean of 12.5 ms did size it on too long a step
 
 
+def test_once_a_config_went_over_the_memory_budget_none_with_more_workers_is_chosen():
+    # the user's 4 workers measured before their memory grew; 4 workers with prefetch 4 then went over the budget
+    # (their growth, not the prefetch), and 3 was as far as the memory held: 4 must not come back
+    before_growth = trial(4, 4.5, 22.8, steps=10)
+    history = [
+        before_growth,
+        trial(4, 5.4, 22.5, prefetch=4, failed="over the memory budget"),
+        trial(3, 4.8, 22.8, prefetch=4),
+    ]
+    assert pick_best(history).settings == cfg(4)  # without the limit: the fastest, cheapest start
+    assert pick_best(history, memory_limit=3).settings == cfg(3, 4)
+    held = decide(history, Budget(cpus=2.0, max_workers=3), memory_limit=3)
+    assert held.settings.num_workers <= 3, held.reason
+
+
 def rate(t):
     return t.stats.samples_per_s
 
