@@ -128,7 +128,20 @@ def fit_once(
     return time.perf_counter() - t0
 
 
-def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path) -> dict[str, Any]:
+def retimed(static_run: Any, tuner_run: Any, reps: int) -> tuple[list[float], list[float]]:
+    """``reps`` interleaved pairs of the oracle's config (``static_run()``) and a fresh tuner (``tuner_run(i)``).
+
+    The oracle is the fastest config of one run each of the grid: the least of several noisy times, which reads it
+    low by about a standard deviation on this machine (one run of a config varies by 5-10%). It is timed again
+    apart from the run that chose it, as often as the tuner, and both are compared on their medians."""
+    statics, tuned = [], []
+    for i in range(reps):
+        statics.append(static_run())
+        tuned.append(tuner_run(i))
+    return statics, tuned
+
+
+def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path, reps: int) -> dict[str, Any]:
     w = WORKLOADS[name]
     cpus = cpu_budget().cpus
     suggested = max(1, int(cpus) - 1)  # lightning's suggested_max_num_workers
@@ -157,17 +170,25 @@ def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path) -> di
     carried = seeded_tuner.switcher.seamless.carried
     print(f"  {name:12s} tuner, seeded loader ({carried} seamless epoch starts) {seeded:7.2f} s", flush=True)
     oracle_k = min(static, key=static.get)
-    oracle = static[oracle_k]
+
+    def fresh_tuner(i: int) -> float:
+        again = DataLoaderTuner(verbose=False, report_path=False, cache=cache_dir / f"{name}_again{i}.json")
+        return fit_once(w, 0, epochs, again)
+
+    statics, tuners = retimed(lambda: fit_once(w, oracle_k, epochs, None), fresh_tuner, reps)
+    oracle, tuned_median = statistics.median(statics), statistics.median([tuned, *tuners])
+    print(f"  {name:12s} re-timed: oracle ({oracle_k}w) {statics}, tuner {[tuned, *tuners]}", flush=True)
     return {
         "workload": name,
         "what": w["what"],
         "epochs": epochs,
+        "repeats": {"oracle": statics, "tuner": [tuned, *tuners], "oracle_in_grid": static[oracle_k]},
         "seconds": {
             "default": static[0],
             "lightning_suggested": static[suggested],
             "rule_of_thumb": static[thumb],
             "oracle": oracle,
-            "tuner": tuned,
+            "tuner": tuned_median,
             "tuner_cached": second,
             "tuner_seamless": seeded,
         },
@@ -197,10 +218,10 @@ def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path) -> di
     }
 
 
-def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
+def long_epoch(steps: int, grid: list[int], reps: int) -> dict[str, Any]:
     """One long latency-bound epoch started at 0 workers: where does the tuner settle, and how does the
-    whole run compare with the best static config of ``grid``? (Lower worker counts are left out of the
-    grid: at 0-2 workers this epoch takes minutes, and they cannot be the oracle.)"""
+    whole run compare with the best static config of ``grid`` (re-timed, see :func:`retimed`)? (Lower worker
+    counts are left out of the grid: at 0-2 workers this epoch takes minutes, and they cannot be the oracle.)"""
     w = {"make": lambda n: SyntheticDataset(n, latency_ms=10.0), "samples": steps * BATCH, "step_ms": 5.0}
     static = {}
     for k in grid:
@@ -210,6 +231,11 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
     tuned = fit_once(w, 0, 1, tuner)
     oracle_k = min(static, key=static.get)
     print(f"  long_epoch   tuner {tuner.phase} at step {tuner.settled_step} of {steps} {tuned:7.2f} s", flush=True)
+    fresh = lambda i: fit_once(w, 0, 1, DataLoaderTuner(verbose=False, report_path=False, cache=False))  # noqa: E731
+    statics, tuners = retimed(lambda: fit_once(w, oracle_k, 1, None), fresh, reps)
+    tuners = [tuned, *tuners]
+    print(f"  long_epoch   re-timed: oracle ({oracle_k}w) {statics}, tuner {tuners}", flush=True)
+    oracle, tuned = statistics.median(statics), statistics.median(tuners)
     return {
         "steps": steps,
         "settled_step": tuner.settled_step,
@@ -218,8 +244,9 @@ def long_epoch(steps: int, grid: list[int]) -> dict[str, Any]:
         "tuner_workers": tuner.best_settings["num_workers"],
         "tuner_s": tuned,
         "oracle_workers": oracle_k,
-        "oracle_s": static[oracle_k],
-        "ratio": tuned / static[oracle_k],
+        "oracle_s": oracle,
+        "ratio": tuned / oracle,
+        "repeats": {"oracle": statics, "tuner": tuners, "oracle_in_grid": static[oracle_k]},
         "static_grid": {str(k): v for k, v in static.items()},
     }
 
@@ -339,7 +366,12 @@ def markdown(results: dict[str, Any]) -> str:
     rows = results["workloads"]
     lines = [
         *prose(results),
-        "Each cell: whole-run time / oracle's whole-run time (workers used, seconds).",
+        "Each cell: whole-run time / oracle's whole-run time (workers used, seconds). The oracle is chosen as the "
+        "fastest of one run per static config, then timed again apart from that run, interleaved with as many fresh "
+        f"tuner runs (the least of several noisy runs reads low): its cell and the tuner's are medians of "
+        f"{len(rows[0]['repeats']['oracle']) if rows and 'repeats' in rows[0] else 1} re-timed oracle runs and "
+        f"{len(rows[0]['repeats']['tuner']) if rows and 'repeats' in rows[0] else 1} tuner runs; every other cell is "
+        "one run.",
         "",
         "| workload | default (0) | Lightning suggested | rule of thumb | oracle (best static) | DataLoaderTuner | "
         "tuner, second run (cache) | tuner, seeded loader (seamless epochs) |",
@@ -361,8 +393,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"One long latency-bound epoch ({le['steps']} steps, 10 ms per sample, from 0 workers, in-epoch "
         f"switching): the tuner {le['tuner_phase']} on {le['tuner_workers']} workers at step {le['settled_step']} "
-        f"({le['settled_frac']:.0%} of the epoch); whole run {le['tuner_s']:.1f} s vs the oracle's "
-        f"{le['oracle_s']:.1f} s ({le['oracle_workers']} workers): {le['ratio']:.2f}x.",
+        f"({le['settled_frac']:.0%} of the epoch, first run); whole run {le['tuner_s']:.1f} s vs the oracle's "
+        f"{le['oracle_s']:.1f} s ({le['oracle_workers']} workers): {le['ratio']:.2f}x (medians of "
+        f"{len(le.get('repeats', {}).get('tuner', [1]))} tuner runs and {len(le.get('repeats', {}).get('oracle', [1]))}"
+        " re-timed oracle runs).",
     ]
     ov = results["overhead"]
     lines += [
@@ -408,12 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI smoke size: 3 epochs, grid 0,2,8")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved re-timings of the oracle and the tuner (3; 1 --quick)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--write-md", action="store_true", help="regenerate BENCHMARKS.md from this run")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")  # PyTorch warns about worker counts above the cores: that is the point
     epochs = args.epochs or (3 if args.quick else 8)
     grid = [0, 2, 8] if args.quick else [0, 1, 2, 4, 8, 16]
+    reps = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -433,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             "nproc": os.cpu_count(),
         },
         "accelerator": "simulated (sleep in training_step)",
-        "workloads": [run_workload(n, epochs, grid, cache_dir) for n in names if n in WORKLOADS],
-        "long_epoch": long_epoch(200, [8, 16]) if args.quick else long_epoch(600, [4, 8, 16]),
+        "workloads": [run_workload(n, epochs, grid, cache_dir, reps) for n in names if n in WORKLOADS],
+        "long_epoch": long_epoch(200, [8, 16], reps) if args.quick else long_epoch(600, [4, 8, 16], reps),
         "overhead": {
             "tuner_host_time": tuner_host_time(),
             "observe_only": observe_overhead(2 if args.quick else 4, 1 if args.quick else 7),

@@ -281,12 +281,14 @@ class DataLoaderTuner(Callback):
             return
         batches = trainer.num_training_batches
         left = batches - (batch_idx + 1)
+        now = self.probe.peek()
         if self.plan.close_in_epoch(
             self._window_steps(),
-            self.state.judge_early(self.probe.peek(), on_gpu=self.probe.gpu is not None),
+            self.state.judge_early(now, on_gpu=self.probe.gpu is not None),
             left,
             self.agreement.distributed,
-            lambda: self.agreement.largest(batches * self.probe.peek().mean_wall_s),
+            lambda: self.agreement.largest(batches * now.mean_wall_s),
+            self.state.undecided(now, self.agreement.distributed),
         ):
             self._close_window(trainer, now=True, done=batch_idx + 1)
 
@@ -300,12 +302,12 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        undecided = self.state.undecided(self.probe.peek(), self.agreement.distributed)  # it runs on
         if self.state.current is None or self.state.done:
             self.probe.skip()
             if self.agreement.distributed and self.state.done:  # a failure on one rank is agreed here
                 self._close_window(trainer, now=False, done=trainer.num_training_batches)
-        elif (self._window_steps() >= self.policy.min_steps or is_last_epoch(trainer)) and not self.plan.in_epoch:
-            # short epochs pool into one window; in-epoch windows carry over into the next epoch
+        elif self.plan.close_at_epoch_end(self._window_steps(), is_last_epoch(trainer), undecided):
             self._close_window(trainer, now=False, done=trainer.num_training_batches)
         self.switcher.epoch_ended(is_last_epoch(trainer))  # after the decision: the reload it asked for, if any
 
@@ -333,17 +335,15 @@ class DataLoaderTuner(Callback):
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
         in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
-        in_place = self.switcher.prefetch_in_place  # a prefetch change restarts nothing
+        in_place = self.switcher.changes_in_place  # a prefetch change restarts nothing, more workers start alone
         choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
         stats, budget, decision = self.agreement.decide(stats, self.budget, choose, self.state.unagreed)
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
         self.probe.memory.measuring = self.state.probing_memory
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
-            behind = not self.agreement.distributed and change.failed is None  # one process: no step to agree on
-            behind = behind and self.state.starts_behind(
-                change.settings, running, self.probe.batch_bytes, budget.memory_bytes
-            )
+            ranks = self.agreement.distributed
+            behind = self.state.starts_behind(change, running, self.probe.batch_bytes, budget, ranks)
             self.switcher.switch(change.settings, now, is_last_epoch(trainer), bool(failures), behind)
         if decision is not None and self.state.done:
             self._tuning_ended(trainer)

@@ -444,6 +444,24 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy()) -> b
     )
 
 
+def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+    """Whether the last trial's window runs on before it is judged, though it has its steps: against the fastest
+    earlier config, its gain falls short of ``min_gain`` while the gain's noise could still make it one, and it has
+    fewer than ``4 * min_steps`` steps. A few slow batches of a bursty loader can make a short window of more
+    workers read slower than a long one of fewer (the bursty benchmark: 11 workers over 12 steps at 17.2 ms a step
+    against 6 over 35 at 13.4 ms, where 12-16 workers are the best static configs), and "more workers stopped
+    paying" would then settle on the fewer for good; a few more steps of the likely better config cost little."""
+    last = trials[-1]
+    if not last.usable or last.stats.steps >= 4 * policy.min_steps:
+        return False
+    earlier = [t for t in trials[:-1] if t.usable and t.settings != last.settings]
+    if not earlier:
+        return False
+    prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
+    gain, noise = faster_by(prev, last)
+    return gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise
+
+
 def judged_early(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     """Whether the last trial's window can be judged before its epoch's end or a full window: its stall is plainly
     the loader's (:func:`plainly_input_bound`), the jump to it was sized on a longer step
@@ -482,8 +500,10 @@ def decide(
     in ``settings`` (a longer or resumed run may still want it; it is not a measured result to settle on).
     ``in_epoch``: the switch would happen inside an epoch on one process, where a config with more workers than
     a running one with workers starts in the background and costs less (see :func:`restart_cost_s`).
-    ``in_place``: a change of ``prefetch_factor`` alone is made on the running workers (the loader switcher can:
-    PyTorch's own workers), so it costs no restart. ``memory_limit``: see :func:`pick_best`.
+    ``in_place``: the loader switcher changes the running loader (PyTorch's own workers): a change of
+    ``prefetch_factor`` alone is made on the running workers, so it costs no restart, and more workers start beside
+    the running ones, so only they cost their start (see :func:`restart_cost_s`). ``memory_limit``: see
+    :func:`pick_best`.
 
     Raises:
         ValueError: if ``trials`` is empty.
@@ -669,7 +689,8 @@ def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Polic
     """Predicted cost of switching to a loader with ``workers`` workers, per worker as measured on earlier trials
     (the largest), else the policy's prior. In the open: building the loader, starting its workers and waiting
     for its first batch (``startup_s``). ``behind``: the loader starts in the background while the running one
-    serves (from a config with workers to more, see :func:`handover_lead`); then the first batches load during
+    serves (to more workers, see :func:`handover_lead`), or ``workers`` are added beside the running ones (see
+    ``decide``'s ``in_place``); then the first batches load during
     the overlap, and the cost is what earlier background starts cost (their overlap's time beyond the old
     config's pace), or before one was measured, the building of earlier loaders alone (``build_s``)."""
     measured = [t for t in trials if t.usable and t.settings.num_workers > 0 and t.stats.startup_s > 0]
@@ -686,9 +707,12 @@ def handover_lead(trials: Sequence[Trial]) -> int:
     fit, at the running config's time per step, in the time one of the new workers takes to load its first
     batch. Starting the workers (forking them) happens in the training process before the overlap, so it is
     not part of it. Rounded down: a lead too short only waits for the rest at the hand-over, as a switch in the
-    open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. At
-    0 workers a step takes longer than a batch's load, so the lead is 0 there: nothing to serve meanwhile. The
-    same for any new worker count: its workers load their first batches in parallel."""
+    open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. The
+    same for any new worker count: its workers load their first batches in parallel. At 0 workers the lead is one
+    batch: the training process loads it (a step takes longer than a batch's load there, so never more) while the
+    new workers load the batches after it, and their first one is ready at the hand-over or soon after, where a
+    switch in the open would wait for all of it (the long-epoch benchmark: 16 workers fork in 150 ms, then load
+    their first 16-sample batch in 160-210 ms)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         return 0
@@ -696,7 +720,9 @@ def handover_lead(trials: Sequence[Trial]) -> int:
     wall = s.mean_wall_s
     if wall <= 0:
         return 0
-    batch = s.mean_wait_s if workers == 0 else workers * wall  # at most: workers in parallel, one batch each
+    if workers == 0:
+        return 1
+    batch = workers * wall  # at most: workers in parallel, one batch each
     return max(0, min(64, math.floor(batch / wall)))
 
 
@@ -713,9 +739,13 @@ def _wasted(
     ``in_epoch``, ``in_place``: see :func:`decide`."""
     if remaining is None or (in_place and gain_s > 0 and trials[-1].settings.only_prefetch_differs(cand)):
         return None
-    current = trials[-1].settings.num_workers
-    behind = in_epoch and 0 < current < cand.num_workers and handover_lead(trials) > 0
-    saved, cost = max(0.0, gain_s) * remaining, restart_cost_s(trials, cand.num_workers, policy, behind)
+    running = trials[-1].settings
+    current = running.num_workers
+    if in_place and running.adds_workers_to(cand):  # only the added workers start, beside the running ones
+        starting, behind = cand.num_workers - current, True
+    else:
+        starting, behind = cand.num_workers, in_epoch and current < cand.num_workers and handover_lead(trials) > 0
+    saved, cost = max(0.0, gain_s) * remaining, restart_cost_s(trials, starting, policy, behind)
     if saved > cost:
         return None
     return (

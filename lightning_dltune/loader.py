@@ -16,6 +16,7 @@ its target from there.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +80,8 @@ class LoaderSwitcher:
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
         self.in_place = 0  # prefetch changes made on the running workers (no restart)
+        self.grown = 0  # workers added to the running loader (only the added ones started)
+        self._built: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders this switcher built (changed in place)
         # one process (set at setup): only then is a prefetch change made in place; under DDP every rank must take
         # the same path, and a rank whose change could not be made in place would wait at Lightning's reload barrier
         self.single_process = True
@@ -269,28 +272,46 @@ class LoaderSwitcher:
             self._reload = True  # at the epoch's end: tearing the loader down now would end this epoch early
 
     @property
-    def prefetch_in_place(self) -> bool:
-        """Whether a change of ``prefetch_factor`` alone is made on the running workers, with no restart: one process,
+    def changes_in_place(self) -> bool:
+        """Whether a change of ``prefetch_factor`` alone is made on the running workers, and more workers are started
+        beside them (see :meth:`_in_place`), with no restart: one process,
         the running loader's workers are PyTorch's own, serving through the guard (a map-style dataset with a plain
         batch sampler, not ``mode="epoch"``), still running (a loader that is not persistent stops its workers at
-        the epoch's end), and no new loader is starting behind them."""
+        the epoch's end), and no new loader is starting behind them. Only on a loader the tuner built, or a
+        ``TunableDataModuleMixin``'s (built from the tuner's settings): the user's own ``DataLoader`` object keeps the
+        attributes the user gave it (a switch from it builds a new one)."""
         guard, current = self._guarded, self.state.current
         if not self.single_process or guard is None or guard.next is not None or current is None:
+            return False
+        mixin = isinstance(getattr(self.trainer, "datamodule", None), TunableDataModuleMixin)
+        if not (mixin or guard.loader in self._built):
             return False
         return LoaderSettings.from_loader(guard.loader) == current and _lightning.can_change_prefetch(guard.inner)
 
     def _in_place(self, settings: LoaderSettings) -> bool:
-        """Change the running loader's ``prefetch_factor`` on its running workers, when that is all that changes."""
+        """Make the change on the running loader, when only its ``prefetch_factor`` changes (on its running workers)
+        or it gains workers (started beside the running ones, whose batches go on: ``_lightning.add_workers``)."""
         current, guard = self.state.current, self._guarded
-        if current is None or guard is None or not current.only_prefetch_differs(settings):
+        if current is None or guard is None or not self.changes_in_place:
             return False
         assert settings.prefetch_factor is not None
-        if not self.prefetch_in_place or not _lightning.change_prefetch(
-            guard.loader, guard.inner, settings.prefetch_factor
-        ):
+        if current.only_prefetch_differs(settings):
+            if not _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor):
+                return False
+            self.in_place += 1
+        elif current.adds_workers_to(settings) and _lightning.can_add_workers(guard.loader, guard.inner):
+            self.probe.pause()  # starting them is not the next step's time
+            try:
+                added = _lightning.add_workers(guard.loader, guard.inner, settings.num_workers)
+            finally:
+                self.probe.resume()
+            if not added:
+                return False
+            _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor)
+            self.grown += 1
+        else:
             return False
         self.state.current = LoaderSettings.from_loader(guard.loader)
-        self.in_place += 1
         return True
 
     @property
@@ -370,6 +391,7 @@ class LoaderSwitcher:
         with _lightning.recording():
             new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
         self.seamless.attach(new)
+        self._built.add(new)
         return new
 
     def _lead(self, new: DataLoader) -> tuple[int, int] | None:

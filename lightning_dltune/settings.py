@@ -71,6 +71,14 @@ class LoaderSettings:
             return False
         return replace(other, prefetch_factor=self.prefetch_factor) == self
 
+    def adds_workers_to(self, other: LoaderSettings) -> bool:
+        """Whether ``other`` is these settings with more workers (and perhaps another ``prefetch_factor``): a change
+        the loader switcher makes on the running loader, starting only the added workers
+        (``_lightning.add_workers``)."""
+        if not 0 < self.num_workers < other.num_workers:
+            return False
+        return (self.pin_memory, self.persistent_workers) == (other.pin_memory, other.persistent_workers)
+
     @property
     def cost(self) -> tuple[int, int, int]:
         """Ordering key for "cheaper": fewer worker processes first, then fewer batches in flight, then no

@@ -34,6 +34,7 @@ from lightning_dltune.decide import (
     judged_early,
     pick_best,
     plainly_input_bound,
+    still_open,
     verify_cached,
     worker_memory,
 )
@@ -171,7 +172,17 @@ class TuningState:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        return judged_early([*self.trials, Trial(self.current, stats)], self.policy)
+        trials = [*self.trials, Trial(self.current, stats)]
+        return judged_early(trials, self.policy) and not still_open(trials, self.policy)
+
+    def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
+        """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its
+        comparison with the fastest earlier config is within its noise (see
+        :func:`~lightning_dltune.decide.still_open`). Only while tuning, and on one process (``distributed``: every
+        rank must close the window at the same step, and this test is rank-local)."""
+        if distributed or self.current is None or not self.tuning or self._probing_memory:
+            return False
+        return still_open([*self.trials, Trial(self.current, stats)], self.policy)
 
     def decide(
         self,
@@ -218,13 +229,14 @@ class TuningState:
         return handover_lead(self.trials)
 
     def starts_behind(
-        self, settings: LoaderSettings, running_bytes: float, batch_bytes: float, budget_bytes: float | None
+        self, change: Decision, running_bytes: float, batch_bytes: float, budget: Budget, distributed: bool = False
     ) -> bool:
-        """Whether ``settings``' loader may start in the background while the running one serves (#13): it adds
+        """Whether the loader of ``change`` may start in the background while the running one serves (#13): on one
+        process (``distributed``: every rank switches at the step they agree on), not after a failure, it adds
         workers (a switch down, for memory or to a cheaper config, stops the old workers first), and both worker
         sets fit the memory budget together (the new ones at the base a worker was measured at, or the prior)."""
-        current = self.current
-        if current is None or settings.num_workers <= current.num_workers:
+        current, settings, budget_bytes = self.current, change.settings, budget.memory_bytes
+        if distributed or change.failed is not None or current is None or settings.num_workers <= current.num_workers:
             return False
         mem, _ = worker_memory(self.trials, self.policy)
         flight = memory.in_flight_bytes(batch_bytes, settings.prefetch_factor, settings.pin_memory)
@@ -444,12 +456,26 @@ class WindowPlan:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
         self.in_epoch = resumable and tuning and (self.mode == "in_epoch" or long_epoch or self.in_epoch)
 
+    def close_at_epoch_end(self, steps: int, last_epoch: bool, undecided: bool = False) -> bool:
+        """Whether the window closes at this epoch's end: not an in-epoch window (it carries over into the next
+        epoch), and it has ``min_steps`` (short epochs pool into one window) and is not ``undecided``
+        (:meth:`TuningState.undecided`), or this is the last epoch."""
+        return not self.in_epoch and (last_epoch or (steps >= self.min_steps and not undecided))
+
     def close_in_epoch(
-        self, steps: int, early: bool, left: float, distributed: bool, epoch_seconds: Callable[[], float]
+        self,
+        steps: int,
+        early: bool,
+        left: float,
+        distributed: bool,
+        epoch_seconds: Callable[[], float],
+        undecided: bool = False,
     ) -> bool:
         """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be
         judged already (:meth:`TuningState.judge_early`); ``epoch_seconds`` predicts the epoch's length (called
-        at most once a window, and on every rank alike)."""
+        at most once a window, and on every rank alike); ``undecided``: it runs on (:meth:`TuningState.undecided`)."""
+        if undecided:
+            return False
         obvious = not distributed and early  # a rank-local test would split the ranks
         if not (steps >= self.window_steps or obvious):
             return False

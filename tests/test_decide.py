@@ -509,8 +509,44 @@ def test_a_prefetch_change_made_on_the_running_workers_is_charged_no_restart():
     assert held.action == "hold" and held.settings == cfg(16, 4)
     tried = decide(history, BUDGET, remaining_steps=200, in_place=True)  # the same workers go on: nothing to pay
     assert (tried.action, tried.settings) == ("try", cfg(16, 4)), tried.reason
-    # a change of workers still restarts them, in place or not
+    # from 0 workers every worker starts, in place or not
     assert decide([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, remaining_steps=4, in_place=True).action == "hold"
+
+
+@pytest.mark.parametrize(
+    ("last", "still"),
+    [
+        # 11 workers over 12 steps read slower than 6 over 35, within a bursty window's noise: it runs on
+        pytest.param(trial(11, 7.0, 10, steps=12, sem_ms=4.0, wait_sem_ms=4.0), True, id="slower within noise"),
+        # the same reading with little noise: more workers stopped paying, judged now
+        pytest.param(trial(11, 7.0, 10, steps=12, sem_ms=0.2, wait_sem_ms=0.2), False, id="slower beyond noise"),
+        # a gain of min_gain or more is judged at once, noise or not
+        pytest.param(trial(11, 1.0, 10, steps=12, sem_ms=4.0, wait_sem_ms=4.0), False, id="faster"),
+        # 4 x min_steps steps: judged whatever the noise
+        pytest.param(trial(11, 7.0, 10, steps=32, sem_ms=4.0, wait_sem_ms=4.0), False, id="long enough"),
+    ],
+)
+def test_a_window_whose_comparison_is_within_noise_runs_on_up_to_four_times_min_steps(last, still):
+    from lightning_dltune.decide import still_open
+
+    history = [trial(0, 40, 8, fetch_cpu_ms=1), trial(6, 4.0, 10, steps=35, sem_ms=0.5, wait_sem_ms=0.5)]
+    assert still_open([*history, last]) == still
+    assert not still_open(history[:1])  # nothing to compare with
+    if still:  # judged at its end, it would have settled on the 6 workers for good
+        judged = decide([*history, last], BUDGET)
+        assert judged.settings == cfg(6) and "stopped paying" in judged.reason
+
+
+def test_workers_added_beside_the_running_ones_are_charged_only_their_own_start():
+    # 8 workers that stall: more workers are the next move. A restart costs 0.2 s a worker (measured), forking one
+    # 0.02 s (its build); 100 steps left
+    running = trial(8, 10, 10)
+    running = replace(running, stats=replace(running.stats, startup_s=1.6, build_s=0.16))
+    history = [trial(0, 160, 10, fetch_cpu_ms=1), running]
+    held = decide(history, BUDGET, remaining_steps=100)  # restarting 16 workers in the open: 3.2 s
+    assert held.action == "hold" and held.settings.num_workers > 8, held.reason
+    added = decide(history, BUDGET, remaining_steps=100, in_place=True)  # 8 more start beside the 8: 0.16 s
+    assert (added.action, added.settings) == ("try", held.settings), added.reason
 
 
 def test_going_back_to_a_shallower_prefetch_on_the_running_workers_is_free_so_the_cheaper_config_is_chosen():
@@ -585,9 +621,10 @@ def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, 
 @pytest.mark.parametrize(
     ("running", "lead"),
     [
-        # 0 workers, 340 ms a step of which 320 ms loading: a new worker's first batch (320 ms) is ready before
-        # the next step would end; nothing to serve meanwhile
-        (trial(0, 320.0, 20.0), 0),
+        # 0 workers, 340 ms a step of which 320 ms loading: the training process loads one more batch while the
+        # new workers load their first ones (never more: each of its batches takes as long as a worker's first)
+        (trial(0, 320.0, 20.0), 1),
+        (trial(0, 2.0, 20.0), 1),
         # 4 workers, 50 ms a step: a batch takes up to 200 ms to load, 4 steps
         (trial(4, 30.0, 20.0), 4),
         # capped: never more than 64 steps of the slower config

@@ -230,3 +230,28 @@ def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_or
     assert tuner.switcher.in_place == 1 and tuner.state.current.prefetch_factor == 4
     assert deepen.depth == [2, 4]  # the loader says so at the next epoch
     assert deepen.pids[0] == deepen.pids[1]  # the same worker processes: nothing restarted
+
+
+class AddWorkers(DeepenPrefetch):
+    """Asks the tuner's switcher for two more workers at batch ``at`` of the first epoch (as a decision would)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        guard = self.tuner.switcher._guarded
+        if (trainer.current_epoch, batch_idx) in ((0, self.at), (1, 0)):
+            self.pids.append([w.pid for w in guard.inner._workers])
+        if (trainer.current_epoch, batch_idx) == (0, self.at):
+            more = self.tuner.state.current.with_workers(4)
+            self.tuner.state.target = more
+            self.tuner.switcher.switch(more, now=True, last_epoch=False)
+
+
+def test_workers_are_added_beside_the_running_ones_and_keep_the_exact_order(tmp_path):
+    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
+    # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
+    tuner = DataLoaderTuner(max_trials=1)
+    add = AddWorkers(tuner, at=20)
+    tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[add])
+    assert tuned == reference
+    assert tuner.switcher.grown == 1 and tuner.state.current.num_workers == 4
+    running, next_epoch = add.pids
+    assert len(running) == 2 and next_epoch[:2] == running and len(set(next_epoch)) == 4  # two started, none stopped

@@ -5,6 +5,7 @@ from functools import reduce
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.fabric.utilities import data as fabric_data
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -126,6 +127,72 @@ def test_prefetch_changes_in_place_on_running_workers_and_every_batch_comes_once
         _lightning.shutdown_workers(dl)
     assert not _lightning.change_prefetch(dl, it, 2)  # shut down: a switch restarts the loader instead
     assert not _lightning.change_prefetch(dl, iter(DataLoader(list(range(4)))), 2)  # no workers
+
+
+def _worker_ids(batch_indices):
+    info = torch.utils.data.get_worker_info()
+    return [(i, info.id, info.num_workers) for i in batch_indices]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_workers_added_to_a_running_iterator_serve_every_batch_once_in_order_and_the_next_epoch(in_order):
+    from torch.utils.data import _utils
+
+    assert list(inspect.signature(_utils.worker._worker_loop).parameters) == list(_lightning.WORKER_LOOP_PARAMETERS), (
+        f"torch {torch.__version__} changed `_worker_loop`'s parameters: update _lightning.add_workers"
+    )
+    dl = DataLoader(
+        list(range(64)),
+        batch_size=2,
+        num_workers=2,
+        prefetch_factor=2,
+        persistent_workers=True,
+        collate_fn=_worker_ids,
+        in_order=in_order,
+    )
+    it = iter(dl)
+    try:
+        for name in _lightning.TORCH_WORKER_STATE:
+            assert hasattr(it, name), f"torch moved `_MultiProcessingDataLoaderIter.{name}`: update add_workers"
+        pids = [w.pid for w in it._workers]
+        seen = [next(it) for _ in range(3)]
+        sent = it._send_idx
+        assert _lightning.add_workers(dl, it, 5)
+        assert dl.num_workers == 5 and it._num_workers == 5
+        assert [w.pid for w in it._workers][:2] == pids  # the running workers go on
+        assert it._send_idx == sent + 6  # the new ones were handed their batches at once (prefetch 2 each)
+        seen += list(it)
+        indices = [i for batch in seen for i, _, _ in batch]
+        assert sorted(indices) == list(range(64))
+        if in_order:
+            assert indices == list(range(64))
+        by_worker = {(w, n) for batch in seen for _, w, n in batch}
+        assert {w for w, _ in by_worker} == set(range(5))  # every new worker loaded batches
+        assert {n for w, n in by_worker if w >= 2} == {5} and {n for w, n in by_worker if w < 2} == {2}
+        again = iter(dl)  # the next epoch: every worker resumed, the pipeline refilled over all five
+        assert again is it and it._send_idx == 10  # counted from the epoch's start
+        epoch = [b for b in again]
+        assert sorted(i for batch in epoch for i, _, _ in batch) == list(range(64))
+        assert {w for batch in epoch for _, w, _ in batch} == set(range(5))
+    finally:
+        _lightning.shutdown_workers(dl)
+    assert all(not w.is_alive() for w in it._workers)
+    assert not _lightning.add_workers(dl, it, 8)  # shut down: a switch restarts the loader instead
+    assert not _lightning.add_workers(dl, iter(DataLoader(list(range(4)))), 2)  # no workers
+
+
+def test_workers_are_not_added_beside_an_iterable_dataset():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    dl = DataLoader(Stream(), batch_size=2, num_workers=1, persistent_workers=True)
+    it = iter(dl)
+    try:
+        assert not _lightning.can_add_workers(dl, it)
+        assert not _lightning.add_workers(dl, it, 2) and dl.num_workers == 1
+    finally:
+        _lightning.shutdown_workers(dl)
 
 
 def test_a_carried_iterator_is_what_iter_returns_for_persistent_and_new_iterators():

@@ -2,11 +2,12 @@
 
 import ast
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from lightning_dltune.decide import Budget
+from lightning_dltune.decide import Budget, Trial
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, WindowPlan, batches_left
@@ -210,6 +211,39 @@ def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
     early = state.judge_early(stats)
     assert plan.close_in_epoch(steps, early, left, distributed, lambda: asked.append(1) or epoch_s) is closes
     assert len(asked) <= 1
+
+
+@pytest.mark.parametrize(
+    ("steps", "last_epoch", "undecided", "in_epoch", "closes"),
+    [
+        (8, False, False, False, True),  # min_steps pooled: judged
+        (7, False, False, False, False),  # short epochs pool on
+        (7, True, False, False, True),  # the last epoch judges what it has
+        (8, False, True, False, False),  # a comparison within noise runs on into the next epoch
+        (8, True, True, False, True),  # ... but never past the run's end
+        (20, False, False, True, False),  # an in-epoch window carries over into the next epoch
+    ],
+)
+def test_a_window_closes_at_an_epoch_end(steps, last_epoch, undecided, in_epoch, closes):
+    plan = WindowPlan(mode="auto", window_steps=20, min_steps=8, in_epoch=in_epoch)
+    assert plan.close_at_epoch_end(steps, last_epoch, undecided) is closes
+    if not undecided:  # and inside an epoch, an undecided window never closes
+        assert not plan.close_in_epoch(20, True, 100, False, lambda: 120.0, undecided=True)
+
+
+def test_a_window_is_undecided_only_while_tuning_and_on_one_process():
+    def noisy(wait_ms, steps, sem_ms):
+        return replace(stats(wait_ms, steps=steps), wall_sem_s=sem_ms / 1e3, wait_sem_s=sem_ms / 1e3)
+
+    state = started()
+    # 0 workers, then 6 over 35 steps; now 11 that read slower over 12 steps, within a bursty window's noise
+    state.trials += [Trial(ZERO, stats(40, 8)), Trial(LoaderSettings.normalized(6), noisy(4, 35, 0.5))]
+    state.current = LoaderSettings.normalized(11)
+    assert state.undecided(noisy(7, 12, 4.0))
+    assert not state.undecided(noisy(7, 12, 4.0), distributed=True)  # every rank must close it at the same step
+    assert not state.undecided(noisy(7, 12, 0.2))  # beyond noise: judged
+    state.disable()
+    assert not state.undecided(noisy(7, 12, 4.0))  # not tuning
 
 
 def test_a_long_epoch_or_in_epoch_mode_switches_inside_epochs_only_while_tuning():
