@@ -355,7 +355,8 @@ def can_add_workers(loader: DataLoader, iterator: Any) -> bool:
 def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
     """Start worker processes beside ``iterator``'s running ones until it has ``workers``, and hand each new one
     its ``prefetch_factor`` batches at once; ``loader.num_workers`` says the new count. False (nothing changed) where
-    :func:`can_add_workers` says no, or for no more workers than it runs: that switch restarts the loader.
+    :func:`can_add_workers` says no, for no more workers than it runs, or where one could not start (the ones that
+    did are stopped): that switch restarts the loader.
 
     The new workers are started as PyTorch starts a new iterator's (``_worker_loop`` with the iterator's dataset,
     queues, collate function, base seed and ``worker_init_fn``; worker ``i`` seeds ``base_seed + i``), with ids after
@@ -372,30 +373,38 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
 
     context = loader.multiprocessing_context or torch.multiprocessing
     running = iterator._num_workers
-    for i in range(running, workers):
-        index_queue = context.Queue()
-        index_queue.cancel_join_thread()  # as PyTorch's: a worker's queue never blocks the process's exit
-        args = dict(
-            dataset_kind=iterator._dataset_kind,
-            dataset=iterator._dataset,
-            index_queue=index_queue,
-            data_queue=iterator._worker_result_queue,
-            done_event=iterator._workers_done_event,
-            auto_collation=iterator._auto_collation,
-            collate_fn=iterator._collate_fn,
-            drop_last=iterator._drop_last,
-            base_seed=iterator._base_seed,
-            init_fn=iterator._worker_init_fn,
-            worker_id=i,
-            num_workers=workers,
-            persistent_workers=iterator._persistent_workers,
-            shared_seed=iterator._shared_seed,
-        )
-        process = context.Process(
-            target=_utils.worker._worker_loop, args=tuple(args[k] for k in WORKER_LOOP_PARAMETERS)
-        )
-        process.daemon = True
-        process.start()
+    started: list[tuple[Any, Any]] = []
+    try:
+        for i in range(running, workers):
+            index_queue = context.Queue()
+            index_queue.cancel_join_thread()  # as PyTorch's: a worker's queue never blocks the process's exit
+            args = dict(
+                dataset_kind=iterator._dataset_kind,
+                dataset=iterator._dataset,
+                index_queue=index_queue,
+                data_queue=iterator._worker_result_queue,
+                done_event=iterator._workers_done_event,
+                auto_collation=iterator._auto_collation,
+                collate_fn=iterator._collate_fn,
+                drop_last=iterator._drop_last,
+                base_seed=iterator._base_seed,
+                init_fn=iterator._worker_init_fn,
+                worker_id=i,
+                num_workers=workers,
+                persistent_workers=iterator._persistent_workers,
+                shared_seed=iterator._shared_seed,
+            )
+            ordered = tuple(args[name] for name in WORKER_LOOP_PARAMETERS)
+            process = context.Process(target=_utils.worker._worker_loop, args=ordered)
+            process.daemon = True
+            process.start()
+            started.append((index_queue, process))
+    except Exception:  # out of processes or memory: stop what started, and the switch builds a new loader
+        for _, process in started:
+            process.terminate()
+            process.join(timeout=5)
+        return False
+    for index_queue, process in started:
         iterator._index_queues.append(index_queue)
         iterator._workers.append(process)
         iterator._workers_status.append(True)

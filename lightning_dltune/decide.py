@@ -713,10 +713,9 @@ def handover_lead(trials: Sequence[Trial]) -> int:
     new workers load the batches after it, and their first one is ready at the hand-over or soon after, where a
     switch in the open would wait for all of it (the long-epoch benchmark: 16 workers fork in 150 ms, then load
     their first 16-sample batch in 160-210 ms)."""
-    usable = [t for t in trials if t.usable]
-    if not usable:
+    if not trials or not trials[-1].usable:  # the running config's own window: without one, take over at once
         return 0
-    s, workers = usable[-1].stats, usable[-1].settings.num_workers
+    s, workers = trials[-1].stats, trials[-1].settings.num_workers
     wall = s.mean_wall_s
     if wall <= 0:
         return 0

@@ -87,6 +87,7 @@ class LoaderSwitcher:
         self.single_process = True
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
+        self._grown_until = -1  # before this batch, a failure is the start-up failure of workers added in place
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
@@ -182,6 +183,7 @@ class LoaderSwitcher:
         try:
             quiet = "num_workers" in overrides  # the tuner's count, not the user's
             new = _lightning.rebuild_dataloader(loader, overrides, quiet=quiet)
+            self._built.add(new)  # a new object: not the user's own
             return self._said_why(new) if quiet else new
         except _lightning.NotRebuildableError as ex:
             self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
@@ -264,7 +266,7 @@ class LoaderSwitcher:
         assert self.trainer is not None
         self.aim(settings)
         same = settings == self.state.current and not (everywhere and not now)
-        if same or (not everywhere and self._in_place(settings)):  # nothing to build
+        if same or (not everywhere and self._in_place(settings, grow=now or not last_epoch)):  # nothing to build
             self._pending, self._reload = None, False
         elif now:
             self._pending, self._behind = settings, behind
@@ -288,18 +290,19 @@ class LoaderSwitcher:
             return False
         return LoaderSettings.from_loader(guard.loader) == current and _lightning.can_change_prefetch(guard.inner)
 
-    def _in_place(self, settings: LoaderSettings) -> bool:
+    def _in_place(self, settings: LoaderSettings, grow: bool = True) -> bool:
         """Make the change on the running loader, when only its ``prefetch_factor`` changes (on its running workers)
-        or it gains workers (started beside the running ones, whose batches go on: ``_lightning.add_workers``)."""
+        or it gains workers (started beside the running ones, whose batches go on: ``_lightning.add_workers``; not
+        without ``grow``: at the end of the last epoch no batch is left for them). A failure of the first batches
+        after the growth (the added workers' first ones among them) falls back as a new loader's start-up does."""
         current, guard = self.state.current, self._guarded
-        if current is None or guard is None or not self.changes_in_place:
-            return False
-        assert settings.prefetch_factor is not None
+        if current is None or guard is None or settings.prefetch_factor is None or not self.changes_in_place:
+            return False  # (to 0 workers: a new loader)
         if current.only_prefetch_differs(settings):
             if not _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor):
                 return False
             self.in_place += 1
-        elif current.adds_workers_to(settings) and _lightning.can_add_workers(guard.loader, guard.inner):
+        elif grow and current.adds_workers_to(settings) and _lightning.can_add_workers(guard.loader, guard.inner):
             self.probe.pause()  # starting them is not the next step's time
             try:
                 added = _lightning.add_workers(guard.loader, guard.inner, settings.num_workers)
@@ -307,6 +310,7 @@ class LoaderSwitcher:
                 self.probe.resume()
             if not added:
                 return False
+            self._grown_until = guard.position + settings.batches_in_flight  # the added workers' first batches
             _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor)
             self.grown += 1
         else:
@@ -439,9 +443,10 @@ class LoaderSwitcher:
     # --- failures -------------------------------------------------------------------------------------------
     def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
         """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
-        workers that cannot start): fall back. Errors of the user's own config, or after a config has delivered
-        batches, are the user's and propagate."""
-        if not self._fresh or not self.state.tuner_changed_workers():
+        workers that cannot start), or workers it added in place failed in their first batches: fall back. Errors
+        of the user's own config, or after a config has delivered batches, are the user's and propagate."""
+        grown = self._guarded is not None and self._guarded.loader is loader and position < self._grown_until
+        if not (self._fresh or grown) or not self.state.tuner_changed_workers():
             return None
         return self._fall_back(loader, position, "workers failed to start", error)
 
