@@ -217,12 +217,12 @@ def test_a_fit_that_ends_before_the_hand_over_leaves_no_worker_behind(tmp_path):
         gc.enable()
 
 
-class DeepenPrefetch(pl.Callback):
-    """Asks the tuner's switcher for a deeper prefetch at batch ``at`` of the first epoch (as a decision would), and
-    records the workers serving then and at the next epoch's first batch."""
+class ChangeAt(pl.Callback):
+    """Asks the tuner's switcher for ``change(current settings)`` at batch ``at`` of the first epoch (as a decision
+    would), and records the workers serving then and at the next epoch's first batch, and the loader's depth."""
 
-    def __init__(self, tuner, at):
-        self.tuner, self.at = tuner, at
+    def __init__(self, tuner, at, change=lambda current: current.with_prefetch(4)):
+        self.tuner, self.at, self.change = tuner, at, change
         self.pids: list[list[int]] = []
         self.depth: list[int] = []
 
@@ -232,16 +232,16 @@ class DeepenPrefetch(pl.Callback):
             self.pids.append([w.pid for w in guard.inner._workers])
             self.depth.append(trainer.train_dataloader.prefetch_factor)
         if (trainer.current_epoch, batch_idx) == (0, self.at):
-            deeper = self.tuner.state.current.with_prefetch(4)
-            self.tuner.state.target = deeper
-            self.tuner.switcher.switch(deeper, now=True, last_epoch=False)
+            target = self.change(self.tuner.state.current)
+            self.tuner.state.target = target
+            self.tuner.switcher.switch(target, now=True, last_epoch=False)
 
 
 def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_order(tmp_path):
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
     # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
     tuner = DataLoaderTuner(max_trials=1)
-    deepen = DeepenPrefetch(tuner, at=20)
+    deepen = ChangeAt(tuner, at=20)  # a deeper prefetch
     tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[deepen])
     assert tuned == reference
     assert tuner.switcher.in_place == 1 and tuner.state.current.prefetch_factor == 4
@@ -249,24 +249,11 @@ def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_or
     assert deepen.pids[0] == deepen.pids[1]  # the same worker processes: nothing restarted
 
 
-class AddWorkers(DeepenPrefetch):
-    """Asks the tuner's switcher for two more workers at batch ``at`` of the first epoch (as a decision would)."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        guard = self.tuner.switcher._guarded
-        if (trainer.current_epoch, batch_idx) in ((0, self.at), (1, 0)):
-            self.pids.append([w.pid for w in guard.inner._workers])
-        if (trainer.current_epoch, batch_idx) == (0, self.at):
-            more = self.tuner.state.current.with_workers(4)
-            self.tuner.state.target = more
-            self.tuner.switcher.switch(more, now=True, last_epoch=False)
-
-
 def test_workers_are_added_beside_the_running_ones_and_keep_the_exact_order(tmp_path):
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
     # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
     tuner = DataLoaderTuner(max_trials=1)
-    add = AddWorkers(tuner, at=20)
+    add = ChangeAt(tuner, at=20, change=lambda current: current.with_workers(4))  # two more workers
     tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[add])
     assert tuned == reference
     assert tuner.switcher.grown == 1 and tuner.state.current.num_workers == 4
@@ -288,7 +275,7 @@ def test_added_workers_that_fail_in_their_first_batches_fall_back_on_the_exact_o
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
     pl.seed_everything(7, workers=True)
     tuner, record = DataLoaderTuner(max_trials=1), EpochIndices()  # max_trials=1: only this change is made
-    add = AddWorkers(tuner, at=20)
+    add = ChangeAt(tuner, at=20, change=lambda current: current.with_workers(4))  # two more workers
     dm = SyntheticDataModule(FailsOnAddedWorkers(length=480, latency_ms=2.0), batch_size=8, num_workers=2)
     trainer = make_trainer(tmp_path / "b", [tuner, record, add], max_epochs=2, logger=False)
     with pytest.warns(UserWarning, match="workers failed to start.*no sample lost or repeated"):
@@ -298,27 +285,16 @@ def test_added_workers_that_fail_in_their_first_batches_fall_back_on_the_exact_o
     assert any(t.failed and t.settings.num_workers == 4 for t in tuner.trials)
 
 
-class BackToTheTrainingProcess(DeepenPrefetch):
-    """Asks the tuner's switcher for 0 workers at batch ``at`` of the first epoch (as settling on a start there would),
-    from a loader whose changes are made in place."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (trainer.current_epoch, batch_idx) == (0, self.at):
-            assert self.tuner.switcher.changes_in_place
-            zero = LoaderSettings()
-            self.tuner.state.target = zero
-            self.tuner.switcher.switch(zero, now=True, last_epoch=False)
-
-
 def switch_to_0(tmp_path):
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
     tuner = DataLoaderTuner(max_trials=1)  # max_trials=1: only this change is made
-    tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[BackToTheTrainingProcess(tuner, at=20)])
+    zero = ChangeAt(tuner, at=20, change=lambda current: LoaderSettings())  # as settling on a start at 0 would
+    tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[zero])
     return tuner, tuned, reference
 
 
 def test_a_switch_to_0_workers_from_a_loader_changed_in_place_builds_a_new_loader(tmp_path):
-    tuner, tuned, reference = switch_to_0(tmp_path)  # (it failed an assertion inside the switcher)
+    tuner, tuned, reference = switch_to_0(tmp_path)  # from a loader changed in place (it failed an assertion)
     assert tuned[0] == reference[0]  # the epoch of the switch: the exact order
     assert all(sorted(epoch) == list(range(480)) for epoch in tuned)  # every epoch: each sample once
     assert tuner.state.current.num_workers == 0 and tuner.switcher.in_place == tuner.switcher.grown == 0
