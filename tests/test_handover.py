@@ -229,7 +229,7 @@ class ChangeAt(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         guard = self.tuner.switcher._guarded
         if (trainer.current_epoch, batch_idx) in ((0, self.at), (1, 0)):
-            self.pids.append([w.pid for w in guard.inner._workers])
+            self.pids.append([w.pid for w in getattr(guard.inner, "_workers", [])])
             self.depth.append(trainer.train_dataloader.prefetch_factor)
         if (trainer.current_epoch, batch_idx) == (0, self.at):
             target = self.change(self.tuner.state.current)
