@@ -88,6 +88,7 @@ class LoaderSwitcher:
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._fresh = False  # the running loader has not delivered a batch yet
         self._grown_until = -1  # before this batch, a failure is the start-up failure of workers added in place
+        self._growing = False  # workers added in place are starting (their steps are start-up)
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
@@ -311,6 +312,10 @@ class LoaderSwitcher:
             if not added:
                 return False
             self._grown_until = guard.position + settings.batches_in_flight  # the added workers' first batches
+            # until those are served, the added workers start (on the same CPUs): start-up, as a background start's
+            # overlap is, charged its time beyond the old pace, not steady state
+            self.probe.overlap_started()
+            self._growing = True
             _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor)
             self.grown += 1
         else:
@@ -334,6 +339,8 @@ class LoaderSwitcher:
         resumed on a restored loader's settings goes on to the target its checkpoint had, when tuning had settled
         on it, or when no step on the restored settings is left to judge (no decision has replaced it)."""
         deferred, self._deferred = self._deferred, None
+        if self._growing:
+            self._grown()
         judged = self.state.tuning and self.probe.window_batches == 0
         if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
             self.switch(deferred, now=False, last_epoch=last_epoch)
@@ -348,6 +355,13 @@ class LoaderSwitcher:
 
     def batch_done(self) -> None:
         self._fresh = False
+        if self._growing and self._guarded is not None and self._guarded.position >= self._grown_until:
+            self._grown()
+
+    def _grown(self) -> None:
+        """Workers added in place have served their first batches (or the epoch ended): steady state from here."""
+        self._growing = False
+        self.probe.rebuilt_in_fetch()
 
     def _before_fetch(self) -> None:
         self._rng_before_build = None  # only an epoch start right after a build may rewind to it
@@ -378,6 +392,7 @@ class LoaderSwitcher:
         return self._guarded
 
     def _overlapping(self, new: DataLoader | None) -> None:
+        self._growing = False  # a new loader's overlap (or its end) takes over the timer's overlap
         if new is None:  # abandoned before it took over
             self.probe.overlap_ended()
             return
@@ -420,6 +435,7 @@ class LoaderSwitcher:
         fetch's wait (with a background start's extra time) is ``new``'s start-up."""
         assert self.trainer is not None
         _lightning.shutdown_workers(old)
+        self._growing = False  # the workers added to the old loader are gone
         _lightning.replace_train_loader(self.trainer, new)
         self.state.current = LoaderSettings.from_loader(new)
         self._fresh = True
