@@ -288,7 +288,7 @@ class DataLoaderTuner(Callback):
             left,
             self.agreement.distributed,
             lambda: self.agreement.largest(batches * now.mean_wall_s),
-            self.state.undecided(now, self.agreement.distributed),
+            lambda: self.state.undecided(now, self.agreement.distributed),
         ):
             self._close_window(trainer, now=True, done=batch_idx + 1)
 
@@ -302,7 +302,7 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        undecided = self.state.undecided(self.probe.peek(), self.agreement.distributed)  # it runs on
+        undecided = lambda: self.state.undecided(self.probe.peek(), self.agreement.distributed)  # noqa: E731
         if self.state.current is None or self.state.done:
             self.probe.skip()
             if self.agreement.distributed and self.state.done:  # a failure on one rank is agreed here

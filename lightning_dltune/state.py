@@ -172,8 +172,7 @@ class TuningState:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        trials = [*self.trials, Trial(self.current, stats)]
-        return judged_early(trials, self.policy) and not still_open(trials, self.policy)
+        return judged_early([*self.trials, Trial(self.current, stats)], self.policy)
 
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
         """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its
@@ -456,11 +455,11 @@ class WindowPlan:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
         self.in_epoch = resumable and tuning and (self.mode == "in_epoch" or long_epoch or self.in_epoch)
 
-    def close_at_epoch_end(self, steps: int, last_epoch: bool, undecided: bool = False) -> bool:
+    def close_at_epoch_end(self, steps: int, last_epoch: bool, undecided: Callable[[], bool] = lambda: False) -> bool:
         """Whether the window closes at this epoch's end: not an in-epoch window (it carries over into the next
-        epoch), and it has ``min_steps`` (short epochs pool into one window) and is not ``undecided``
-        (:meth:`TuningState.undecided`), or this is the last epoch."""
-        return not self.in_epoch and (last_epoch or (steps >= self.min_steps and not undecided))
+        epoch), and it has ``min_steps`` (short epochs pool into one window) and is not ``undecided()``
+        (:meth:`TuningState.undecided`, asked only then), or this is the last epoch."""
+        return not self.in_epoch and (last_epoch or (steps >= self.min_steps and not undecided()))
 
     def close_in_epoch(
         self,
@@ -469,15 +468,14 @@ class WindowPlan:
         left: float,
         distributed: bool,
         epoch_seconds: Callable[[], float],
-        undecided: bool = False,
+        undecided: Callable[[], bool] = lambda: False,
     ) -> bool:
         """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be
         judged already (:meth:`TuningState.judge_early`); ``epoch_seconds`` predicts the epoch's length (called
-        at most once a window, and on every rank alike); ``undecided``: it runs on (:meth:`TuningState.undecided`)."""
-        if undecided:
-            return False
+        at most once a window, and on every rank alike); ``undecided()``: it runs on instead
+        (:meth:`TuningState.undecided`, asked only of a full or plainly judged window)."""
         obvious = not distributed and early  # a rank-local test would split the ranks
-        if not (steps >= self.window_steps or obvious):
+        if not (steps >= self.window_steps or obvious) or undecided():
             return False
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
             self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S

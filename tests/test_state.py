@@ -226,9 +226,9 @@ def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
 )
 def test_a_window_closes_at_an_epoch_end(steps, last_epoch, undecided, in_epoch, closes):
     plan = WindowPlan(mode="auto", window_steps=20, min_steps=8, in_epoch=in_epoch)
-    assert plan.close_at_epoch_end(steps, last_epoch, undecided) is closes
+    assert plan.close_at_epoch_end(steps, last_epoch, lambda: undecided) is closes
     if not undecided:  # and inside an epoch, an undecided window never closes
-        assert not plan.close_in_epoch(20, True, 100, False, lambda: 120.0, undecided=True)
+        assert not plan.close_in_epoch(20, True, 100, False, lambda: 120.0, undecided=lambda: True)
 
 
 def test_a_window_is_undecided_only_while_tuning_and_on_one_process():
