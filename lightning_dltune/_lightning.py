@@ -67,6 +67,9 @@ TORCH_WORKER_STATE: tuple[str, ...] = (
     "_workers_status",
     "_workers_num_tasks",
     "_worker_queue_idx_cycle",
+    "_send_idx",
+    "_rcvd_idx",
+    "_in_order",
 )
 WORKER_LOOP_PARAMETERS: tuple[str, ...] = (
     "dataset_kind",
@@ -353,10 +356,11 @@ def can_add_workers(loader: DataLoader, iterator: Any) -> bool:
 
 
 def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
-    """Start worker processes beside ``iterator``'s running ones until it has ``workers``, and hand each new one
-    its ``prefetch_factor`` batches at once; ``loader.num_workers`` says the new count. False (nothing changed) where
-    :func:`can_add_workers` says no, for no more workers than it runs, or where one could not start (the ones that
-    did are stopped): that switch restarts the loader.
+    """Start worker processes beside ``iterator``'s running ones until it has ``workers``, handing each new one its
+    first batch as soon as it has started (it loads while the next one starts) and, once all have, the rest of its
+    ``prefetch_factor``; ``loader.num_workers`` says the count running. False where :func:`can_add_workers` says no
+    (nothing changed), for no more workers than it runs, or where one could not start: the ones that did serve on,
+    with their batches, until that switch replaces the iterator (stopping them all).
 
     The new workers are started as PyTorch starts a new iterator's (``_worker_loop`` with the iterator's dataset,
     queues, collate function, base seed and ``worker_init_fn``; worker ``i`` seeds ``base_seed + i``), with ids after
@@ -372,10 +376,9 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
     from torch.utils.data import _utils
 
     context = loader.multiprocessing_context or torch.multiprocessing
-    running = iterator._num_workers
-    started: list[tuple[Any, Any]] = []
-    try:
-        for i in range(running, workers):
+    started = True
+    for i in range(iterator._num_workers, workers):
+        try:
             index_queue = context.Queue()
             index_queue.cancel_join_thread()  # as PyTorch's: a worker's queue never blocks the process's exit
             args = dict(
@@ -398,25 +401,67 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
             process = context.Process(target=_utils.worker._worker_loop, args=ordered)
             process.daemon = True
             process.start()
-            started.append((index_queue, process))
-    except Exception:  # out of processes or memory: stop what started, and the switch builds a new loader
-        for _, process in started:
-            process.terminate()
-            process.join(timeout=5)
-        return False
-    for index_queue, process in started:
+        except Exception:  # out of processes or memory: the switch builds a new loader
+            started = False
+            break
         iterator._index_queues.append(index_queue)
         iterator._workers.append(process)
         iterator._workers_status.append(True)
         iterator._workers_num_tasks.append(0)
-    iterator._num_workers = workers
-    # the new workers' batches first (`prefetch_factor` each), then PyTorch's round-robin over all of them
-    first = [w for _ in range(iterator._prefetch_factor) for w in range(running, workers)]
-    iterator._worker_queue_idx_cycle = itertools.chain(first, itertools.cycle(range(workers)))
-    object.__setattr__(loader, "num_workers", workers)  # past Lightning's record (see ResumableBatchSampler)
-    for _ in first:
+        iterator._num_workers = i + 1
+        object.__setattr__(loader, "num_workers", i + 1)  # past Lightning's record (see ResumableBatchSampler)
+        _hand_to(iterator, i)
+    # the rest of the new workers' batches (the fewest handed first), then PyTorch's round-robin over all of them
+    running = iterator._num_workers
+    while _in_flight(iterator) < iterator._prefetch_factor * running:
+        handed = iterator._send_idx
+        _hand_to(iterator, min(range(running), key=lambda w: (iterator._workers_num_tasks[w], w)))
+        if iterator._send_idx == handed:  # the epoch has no batch left to hand
+            break
+    iterator._worker_queue_idx_cycle = itertools.cycle(range(running))
+    return started
+
+
+def _hand_to(iterator: Any, worker: int) -> None:
+    """Hand ``iterator``'s next batch to ``worker`` (PyTorch hands it to the next worker of its cycle), unless its
+    workers already hold ``prefetch_factor`` batches each (a shallower prefetch set in place drains first)."""
+    if _in_flight(iterator) < iterator._prefetch_factor * iterator._num_workers:
+        iterator._worker_queue_idx_cycle = itertools.repeat(worker)
         iterator._try_put_index()
-    return True
+
+
+def _in_flight(iterator: Any) -> int:
+    """Batches handed to the workers and not yet served: PyTorch keeps ``prefetch_factor`` per worker, handing one
+    for each it serves. In order, a batch that arrives before its turn waits, counted (``_tasks_outstanding`` drops
+    as it arrives); out of order it is served as it arrives."""
+    return iterator._send_idx - iterator._rcvd_idx if iterator._in_order else iterator._tasks_outstanding
+
+
+def iterate_growing(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)``, its workers started one by one, each handed its first batch as soon as it has started.
+
+    PyTorch starts all of a new iterator's workers before it hands any of them a batch: 16 workers fork in 150-250
+    ms on 2 CPUs, and the first batch is ready only a whole load after the last fork. Here the iterator is created
+    with one worker (and one batch in flight), and the rest are added as :func:`add_workers` adds them: the first
+    batches are loaded while the last workers start. Worker 0 is told ``get_worker_info().num_workers == 1``. Only
+    for a new iterator over a map-style dataset (see :func:`can_add_workers`) with 2 workers or more; any other
+    loader is iterated as PyTorch does. Where a worker cannot start, the iterator runs the ones that did, and
+    ``loader.num_workers`` says how many."""
+    workers, prefetch = loader.num_workers, loader.prefetch_factor
+    if workers < 2 or prefetch is None or getattr(loader, "_iterator", None) is not None:
+        return iter(loader)
+    object.__setattr__(loader, "num_workers", 1)  # past Lightning's record (see ResumableBatchSampler)
+    object.__setattr__(loader, "prefetch_factor", 1)
+    try:
+        iterator = iter(loader)
+    finally:
+        object.__setattr__(loader, "prefetch_factor", prefetch)
+    if type(iterator) is not _MultiProcessingDataLoaderIter or iterator._num_workers != 1:  # a carried one
+        object.__setattr__(loader, "num_workers", workers)
+        return iterator
+    iterator._prefetch_factor = prefetch
+    add_workers(loader, iterator, workers)  # where one could not start, the ones that did serve (the loader says so)
+    return iterator
 
 
 def _even_if_one_dies(shutdown: Callable[[], None]) -> None:

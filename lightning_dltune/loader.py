@@ -388,6 +388,7 @@ class LoaderSwitcher:
             self._adopt,
             self._overlapping,
             self.probe.build_loader,
+            _lightning.iterate_growing,
         )
         return self._guarded
 

@@ -230,8 +230,9 @@ class _Accumulator:
     waits and walls for quantiles and for the standard errors of their means, taken over blocks of steps and
     widened for the few steps or blocks they come from (:mod:`lightning_dltune._stats`)."""
 
-    def __init__(self, tail_size: int) -> None:
+    def __init__(self, tail_size: int, spread: bool = True) -> None:
         self.tail_size = tail_size
+        self.spread = spread  # False: sums only, no variances, standard errors or quantiles (they read 0.0)
         self.reset()
 
     def reset(self) -> None:
@@ -253,6 +254,8 @@ class _Accumulator:
         self.step += step
         self.other += other
         self.fetch_cpu += fetch_cpu
+        if not self.spread:  # sums only (a logging window): this runs on every step
+            return
         self._wall_var.add(wall)
         self._wait_var.add(wait)
         self._busy_var.add(step + other)
@@ -328,7 +331,7 @@ class StepTimer:
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._window = _Accumulator(tail_size)
-        self._log = _Accumulator(tail_size)
+        self._log = _Accumulator(tail_size, spread=False)  # logged: sums only
         self._ref: float | None = None
         self._requested_at: float | None = None
         self._first_after_build = False

@@ -376,11 +376,11 @@ def batch_size(batch: Any) -> int:
     """The batch's size as Lightning reads it (1 when it cannot tell): its first tensor's first dimension. A
     tensor, or a list or tuple that starts with one, is read directly (Lightning walks every element: about 60 us
     a step)."""
-    from lightning.pytorch.utilities.data import extract_batch_size
-
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     if isinstance(first, torch.Tensor):
         return int(first.size(0)) if first.ndim else 1
+    from lightning.pytorch.utilities.data import extract_batch_size  # here: only a batch of another shape
+
     try:
         return int(extract_batch_size(batch))
     except Exception:

@@ -233,6 +233,8 @@ class GuardedIterator(Iterator[Any]):
             still the old loader's), ``overlap(None)`` when it was abandoned before taking over.
         build: ``build(create)`` creates a new loader's iterator (starting its workers) with ``create()`` and returns
             it; the probe times it there, on the timer's clock.
+        iterate: ``iterate(loader)`` is the new iterator ``create()`` makes (``iter``, or one whose workers start
+            one by one, each loading as soon as it has started).
     """
 
     def __init__(
@@ -249,6 +251,7 @@ class GuardedIterator(Iterator[Any]):
         adopt: Callable[[Any, Any], None] = lambda old, new: None,
         overlap: Callable[[Any | None], None] = lambda new: None,
         build: Callable[[Callable[[], Iterator[Any]]], Iterator[Any]] = lambda create: create(),
+        iterate: Callable[[Any], Iterator[Any]] = iter,
     ) -> None:
         self.loader = loader
         self.inner = inner
@@ -260,7 +263,7 @@ class GuardedIterator(Iterator[Any]):
         self._worker_dead = worker_dead
         self._on_error = on_error
         self._close = close
-        self._ahead, self._adopt, self._overlap, self._build = ahead, adopt, overlap, build
+        self._ahead, self._adopt, self._overlap, self._build, self._iterate = ahead, adopt, overlap, build, iterate
         self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
         self.handed_over = 0  # background starts that took over
         prepare(inner)
@@ -345,7 +348,7 @@ class GuardedIterator(Iterator[Any]):
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
         # state: a run that never switched makes no such draw in the middle of an epoch (with seamless epochs, the
         # next epoch's order may be drawn as the new workers are first given batches)
-        inner = self._build(lambda: apart_from_global(new, lambda: iter(new)))
+        inner = self._build(lambda: apart_from_global(new, lambda: self._iterate(new)))
         self._prepare(inner)
         return inner
 

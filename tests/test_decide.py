@@ -621,10 +621,11 @@ def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, 
 @pytest.mark.parametrize(
     ("running", "lead"),
     [
-        # 0 workers, 340 ms a step of which 320 ms loading: the training process loads one more batch while the
-        # new workers load their first ones (never more: each of its batches takes as long as a worker's first)
-        (trial(0, 320.0, 20.0), 1),
-        (trial(0, 2.0, 20.0), 1),
+        # 0 workers, 340 ms a step of which 320 ms loading: take over at once. The training process cannot load
+        # while it starts the new workers, and each of them loads as soon as it has started (iterate_growing):
+        # the first is ready as the last starts, where one more batch loaded first would come on top of it
+        (trial(0, 320.0, 20.0), 0),
+        (trial(0, 2.0, 20.0), 0),
         # 4 workers, 50 ms a step: a batch takes up to 200 ms to load, 4 steps
         (trial(4, 30.0, 20.0), 4),
         # capped: never more than 64 steps of the slower config

@@ -1,6 +1,8 @@
 """Fails loudly when a Lightning release moves a private attribute that lightning_dltune relies on."""
 
 import inspect
+import multiprocessing.context
+import multiprocessing.queues
 from functools import reduce
 
 import lightning.pytorch as pl
@@ -160,7 +162,8 @@ def test_workers_added_to_a_running_iterator_serve_every_batch_once_in_order_and
         assert _lightning.add_workers(dl, it, 5)
         assert dl.num_workers == 5 and it._num_workers == 5
         assert [w.pid for w in it._workers][:2] == pids  # the running workers go on
-        assert it._send_idx == sent + 6  # the new ones were handed their batches at once (prefetch 2 each)
+        # the new ones were handed their batches at once (2 each), the pipeline as deep as PyTorch fills it
+        assert it._send_idx == sent + 6 and _lightning._in_flight(it) == 2 * 5
         seen += list(it)
         indices = [i for batch in seen for i, _, _ in batch]
         assert sorted(indices) == list(range(64))
@@ -179,6 +182,52 @@ def test_workers_added_to_a_running_iterator_serve_every_batch_once_in_order_and
     assert all(not w.is_alive() for w in it._workers)
     assert not _lightning.add_workers(dl, it, 8)  # shut down: a switch restarts the loader instead
     assert not _lightning.add_workers(dl, iter(DataLoader(list(range(4)))), 2)  # no workers
+
+
+class _CountingFork(multiprocessing.context.ForkContext):
+    """A fork context that records, as each worker process starts, how many batches were handed to workers before."""
+
+    def __init__(self):
+        self.handed, self.at_start = [0], []
+        counting = self
+
+        class Queue(multiprocessing.queues.Queue):
+            def __init__(self, maxsize=0):
+                super().__init__(maxsize, ctx=counting.get_context())
+
+            def put(self, obj, *args, **kwargs):
+                if isinstance(obj, tuple) and len(obj) == 2 and obj[1] is not None:  # (batch number, indices)
+                    counting.handed[0] += 1
+                super().put(obj, *args, **kwargs)
+
+        class Process(multiprocessing.context.ForkProcess):
+            def start(self):
+                counting.at_start.append(counting.handed[0])
+                super().start()
+
+        self.Queue, self.Process = Queue, Process
+
+
+def test_a_new_iterator_starts_its_workers_one_by_one_each_handed_a_batch_as_it_starts():
+    context = _CountingFork()
+    dl = DataLoader(
+        list(range(40)), batch_size=2, num_workers=4, collate_fn=_worker_ids, multiprocessing_context=context
+    )
+    it = _lightning.iterate_growing(dl)
+    try:
+        assert type(it) is torch.utils.data.dataloader._MultiProcessingDataLoaderIter and dl.num_workers == 4
+        assert context.at_start == [0, 1, 2, 3]  # PyTorch's own iter(): [0, 0, 0, 0], every batch after every fork
+        assert context.handed[0] == 8 and _lightning._in_flight(it) == 8  # then as deep as PyTorch fills it
+        batches = list(it)
+        assert [i for batch in batches for i, _, _ in batch] == list(range(40))
+        assert {w for batch in batches for _, w, _ in batch} == {0, 1, 2, 3}
+        # worker 0 was started by PyTorch as the iterator's only one; the added ones are told the count
+        assert {(w, n) for batch in batches for _, w, n in batch} == {(0, 1), (1, 4), (2, 4), (3, 4)}
+    finally:
+        _lightning.shutdown_iterator(it)
+    plain = _CountingFork()
+    list(iter(DataLoader(list(range(8)), batch_size=2, num_workers=4, multiprocessing_context=plain)))
+    assert plain.at_start == [0, 0, 0, 0]  # what the test above tells apart
 
 
 def test_workers_are_not_added_beside_an_iterable_dataset():
