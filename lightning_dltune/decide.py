@@ -60,6 +60,9 @@ class Policy:
     min_steps: int = 8
     early_steps: int = 2  # steady steps enough to act on a stall that is plainly the loader's (its bound decides)
     early_stall: float = 0.5  # ... when even its lower confidence bound is at least this
+    # steps enough for a sign test (`every_step_slower`): were a typical step no slower, all n slower has
+    # probability 2^-n (1/8 at 3)
+    sign_steps: int = 3
     headroom: float = 1.25
     min_gain: float = 0.05
     noise_floor: float = 0.03
@@ -374,7 +377,22 @@ def pick_best(trials: Sequence[Trial], policy: Policy = Policy(), memory_limit: 
         return best
     # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
     gain, noise = faster_by(start, best)
-    return best if gain > max(policy.min_gain * start.compared_sec_per_sample, noise) else start
+    won = gain > max(policy.min_gain * start.compared_sec_per_sample, noise)
+    return best if won or every_step_slower(start, best, policy) else start
+
+
+def every_step_slower(a: Trial, b: Trial, policy: Policy = Policy()) -> bool:
+    """A sign test: each of ``a``'s steps (``policy.sign_steps`` or more) took longer per sample than ``b``'s mean
+    plus its noise, by ``min_gain`` more. Were ``a``'s typical step no slower than that, all its n steps would be
+    with probability 2^-n or less. It shows what a mean's standard error cannot after a few steps of a bursty wait
+    (40-200 ms here): that a short window at 0 workers, which an early decision left after ``sign_steps`` steps
+    (:func:`plainly_input_bound`), was slower than a loader whose steps take 10 ms."""
+    sa = a.stats
+    if sa.steps < policy.sign_steps or sa.wall_min_s <= 0 or not sa.samples:
+        return False
+    least = sa.wall_min_s * sa.steps / sa.samples  # per sample (a shorter last batch only reads it lower)
+    tb = b.compared_sec_per_sample
+    return least > tb * (1.0 + 2.0 * b.rel_sem) * (1.0 + policy.min_gain)
 
 
 def _as_fast(t: Trial, fastest: Trial, policy: Policy) -> bool:
@@ -405,12 +423,26 @@ def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Polic
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
     """Whether the window already shows, beyond its noise, that training waits for the loader most of the time:
     after ``policy.early_steps`` steady steps, the stall's lower confidence bound (and the GPU's stall, where it
-    was measured) is at least ``policy.early_stall``. Then no more steps can change the decision to add
+    was measured) is at least ``policy.early_stall``, or after ``policy.sign_steps`` every step's was (a sign
+    test: :func:`every_step_slower`). Then no more steps can change the decision to add
     workers, and the window is judged before ``min_steps``; close calls still wait for ``min_steps``."""
     if stats.steps < policy.early_steps:
         return False
     gpu = stats.gpu_stall_frac
-    return stats.stall_lower_bound() >= policy.early_stall and (gpu is None or gpu >= policy.early_stall)
+    return (stats.stall_lower_bound() >= policy.early_stall or _every_step_stalled(stats, policy)) and (
+        gpu is None or gpu >= policy.early_stall
+    )
+
+
+def _every_step_stalled(stats: WindowStats, policy: Policy) -> bool:
+    """The sign test's reading of the stall (see :func:`every_step_slower`): after ``policy.sign_steps`` steps or
+    more, each step waited at least its least wait, against the mean busy time plus its noise; at least
+    ``early_stall`` of the time on the typical step. A bursty wait (40-200 ms, a 10 ms step) shows it after 3 steps,
+    where the mean's standard error, widened for so few steps, took 5-6."""
+    if stats.steps < policy.sign_steps or stats.wait_min_s <= 0:
+        return False
+    busy = max(0.0, stats.mean_wall_s - stats.mean_wait_s) + 2.0 * stats.busy_sem_s
+    return stats.wait_min_s / (stats.wait_min_s + busy) >= policy.early_stall
 
 
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:

@@ -58,6 +58,10 @@ class WindowStats:
     busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
     busy_trim_sem_s: float = 0.0
     busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
+    # the least wait and wall of any step of the window (of its most recent steps past the tail's size; 0.0: not
+    # measured): every step took at least this (`decide.every_step_slower`)
+    wait_min_s: float = 0.0
+    wall_min_s: float = 0.0
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
@@ -295,6 +299,8 @@ class _Accumulator:
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,
             busy_p50_s=quantile(sorted(busy), 0.5),
+            wait_min_s=waits[0] if waits else 0.0,
+            wall_min_s=min(self._walls, default=0.0),
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
             build_s=self.build,

@@ -40,6 +40,8 @@ def trial(
     wait_sem_ms=0.0,
     busy_sem_ms=0.0,
     failed=None,
+    min_wait_ms=0.0,
+    min_wall_ms=0.0,
 ):
     wall = (wait_ms + step_ms) * steps / 1e3
     stats = WindowStats(
@@ -55,6 +57,8 @@ def trial(
         busy_sem_s=busy_sem_ms / 1e3,
         fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
         worker_cpu_s=worker_cpu_ms * steps / 1e3,
+        wait_min_s=min_wait_ms / 1e3,
+        wall_min_s=min_wall_ms / 1e3,
     )
     return Trial(cfg(workers, prefetch), stats, failed)
 
@@ -123,6 +127,27 @@ def trial(
             id="a noisy wait far above the step is still overwhelming",
         ),
         pytest.param([trial(0, 8, 10, steps=3)], BUDGET, "measure", cfg(0), id="a close call waits for min_steps"),
+        pytest.param(
+            [trial(0, 95, 10, steps=3, wait_sem_ms=60, busy_sem_ms=1, min_wait_ms=40)],
+            BUDGET,
+            "try",
+            cfg(12),
+            id="3 steps of a bursty wait, each over 40 ms against a 10 ms step: a sign test shows the stall",
+        ),
+        pytest.param(
+            [trial(0, 95, 10, steps=3, wait_sem_ms=60, busy_sem_ms=1, min_wait_ms=5)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... not when one of them waited less than the step",
+        ),
+        pytest.param(
+            [trial(0, 95, 10, steps=2, wait_sem_ms=60, busy_sem_ms=1, min_wait_ms=40)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... nor after 2 steps (both slower by chance: 1 in 4)",
+        ),
         pytest.param(
             [trial(0, 60, 10, p50_ms=40, p90_ms=120)],
             Budget(cpus=2.0, max_workers=64),
@@ -637,3 +662,21 @@ def test_handover_lead_is_what_fits_in_a_new_workers_first_batch(running, lead):
 
     assert handover_lead([running]) == lead
     assert handover_lead([]) == 0  # nothing measured: take over at once
+
+
+@pytest.mark.parametrize(
+    ("start", "best_kept"),
+    [
+        # 3 steps of a bursty wait at 0 workers (40-200 ms, a window left early by the sign test): the mean's error
+        # cannot show 16 workers' 10.5 ms steps faster, every step of the start being slower than them does
+        (trial(0, 95, 10, steps=3, sem_ms=60, wait_sem_ms=60, min_wall_ms=50), True),
+        (trial(0, 95, 10, steps=3, sem_ms=60, wait_sem_ms=60), False),  # the least step not measured
+        (trial(0, 95, 10, steps=3, sem_ms=60, wait_sem_ms=60, min_wall_ms=10.6), False),  # one step as fast
+        (trial(0, 95, 10, steps=2, sem_ms=60, wait_sem_ms=60, min_wall_ms=50), False),  # too few steps
+    ],
+)
+def test_leaving_the_start_is_shown_by_every_one_of_its_steps_being_slower(start, best_kept):
+    from lightning_dltune.decide import pick_best
+
+    workers = trial(16, 0.5, 10, steps=20, sem_ms=0.5)
+    assert pick_best([start, workers]) is (workers if best_kept else start)

@@ -94,6 +94,21 @@ def test_bursty_waits_show_in_the_tail(timer_and_clock):
     assert s.wait_p90_s > 20 * s.wait_p50_s
 
 
+def test_the_least_wait_and_wall_of_the_steady_steps_are_kept(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.loader_requested()  # a new loader: its first step is start-up, not one of the window's
+    timer.epoch_started()
+    run_steps(
+        timer, clock, [(0.001, 0.0, 0.01, 0.0), (0.2, 0.0, 0.01, 0.0), (0.04, 0.0, 0.012, 0.0), (0.09, 0.0, 0.01, 0.0)]
+    )
+    s = timer.take_window()
+    assert s.steps == 3 and s.wait_min_s == pytest.approx(0.04) and s.wall_min_s == pytest.approx(0.052)
+    # the logging window keeps sums only: neither the spread nor the least step
+    run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2)
+    log = timer.take_log_window()
+    assert log.steps == 5 and log.wait_min_s == 0.0 and log.wall_sem_s == 0.0
+
+
 def test_log_window_is_independent_of_the_trial_window(timer_and_clock):
     timer, clock = timer_and_clock
     timer.epoch_started()
