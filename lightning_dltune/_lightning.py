@@ -444,16 +444,24 @@ def iterate_growing(loader: DataLoader) -> Iterator[Any]:
     ms on 2 CPUs, and the first batch is ready only a whole load after the last fork. Here the iterator is created
     with one worker (and one batch in flight), and the rest are added as :func:`add_workers` adds them: the first
     batches are loaded while the last workers start. Worker 0 is told ``get_worker_info().num_workers == 1``. Only
-    for a new iterator over a map-style dataset (see :func:`can_add_workers`) with 2 workers or more; any other
-    loader is iterated as PyTorch does. Where a worker cannot start, the iterator runs the ones that did, and
-    ``loader.num_workers`` says how many."""
+    for a new PyTorch iterator (not a ``StatefulDataLoader``'s) over a map-style dataset that is not a datapipe
+    (see :func:`can_add_workers`), with 2 workers or more; any other loader is iterated as PyTorch does, and one
+    whose iterator cannot be created keeps the attributes it had. Where a worker cannot start, the iterator runs
+    the ones that did, and ``loader.num_workers`` says how many."""
+    from torch.utils.data import IterableDataset, MapDataPipe
+
     workers, prefetch = loader.num_workers, loader.prefetch_factor
-    if workers < 2 or prefetch is None or getattr(loader, "_iterator", None) is not None:
+    own = type(loader)._get_iterator is DataLoader._get_iterator  # PyTorch's iterator (not a StatefulDataLoader's)
+    mapped = not isinstance(loader.dataset, (IterableDataset, MapDataPipe))
+    if workers < 2 or prefetch is None or not (own and mapped) or getattr(loader, "_iterator", None) is not None:
         return iter(loader)
     object.__setattr__(loader, "num_workers", 1)  # past Lightning's record (see ResumableBatchSampler)
     object.__setattr__(loader, "prefetch_factor", 1)
     try:
         iterator = iter(loader)
+    except BaseException:
+        object.__setattr__(loader, "num_workers", workers)
+        raise
     finally:
         object.__setattr__(loader, "prefetch_factor", prefetch)
     if type(iterator) is not _MultiProcessingDataLoaderIter or iterator._num_workers != 1:  # a carried one

@@ -230,6 +230,32 @@ def test_a_new_iterator_starts_its_workers_one_by_one_each_handed_a_batch_as_it_
     assert plain.at_start == [0, 0, 0, 0]  # what the test above tells apart
 
 
+def test_a_loader_whose_workers_cannot_be_added_is_iterated_as_pytorch_does():
+    from torch.utils.data.datapipes.map import SequenceWrapper
+
+    context = _CountingFork()  # a MapDataPipe: no workers added beside running ones (see can_add_workers)
+    dl = DataLoader(SequenceWrapper(list(range(8))), batch_size=2, num_workers=3, multiprocessing_context=context)
+    it = _lightning.iterate_growing(dl)
+    try:
+        assert it._num_workers == 3 and dl.num_workers == 3 and context.at_start == [0, 0, 0]
+        assert sorted(i for batch in it for i in batch.tolist()) == list(range(8))
+    finally:
+        _lightning.shutdown_iterator(it)
+
+    class Broken(torch.utils.data.Sampler):
+        def __len__(self):
+            return 2
+
+        def __iter__(self):
+            raise ValueError("broken sampler")
+            yield
+
+    dl = DataLoader(list(range(4)), batch_sampler=Broken(), num_workers=3)
+    with pytest.raises(ValueError, match="broken sampler"):
+        _lightning.iterate_growing(dl)
+    assert dl.num_workers == 3 and dl.prefetch_factor == 2  # as the user's loader had them
+
+
 def test_workers_are_not_added_beside_an_iterable_dataset():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
