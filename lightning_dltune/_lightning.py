@@ -373,11 +373,29 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
     if workers <= getattr(iterator, "_num_workers", 0) or not can_add_workers(loader, iterator):
         return False
     import torch
-    from torch.utils.data import _utils
 
     context = loader.multiprocessing_context or torch.multiprocessing
-    started = True
+    try:
+        started = _start_workers(loader, iterator, workers, context)
+        # the rest of their batches (the fewest handed first), then PyTorch's round-robin over all of them
+        running = iterator._num_workers
+        while _in_flight(iterator) < iterator._prefetch_factor * running:
+            handed = iterator._send_idx
+            _hand_to(iterator, min(range(running), key=lambda w: (iterator._workers_num_tasks[w], w)))
+            if iterator._send_idx == handed:  # the epoch has no batch left to hand
+                break
+    finally:
+        iterator._worker_queue_idx_cycle = itertools.cycle(range(iterator._num_workers))
+    return started
+
+
+def _start_workers(loader: DataLoader, iterator: Any, workers: int, context: Any) -> bool:
+    """Start ``iterator``'s workers up to ``workers``, each handed its first batch as it has started; False where
+    one could not start (the ones that did run)."""
+    from torch.utils.data import _utils
+
     for i in range(iterator._num_workers, workers):
+        index_queue = None
         try:
             index_queue = context.Queue()
             index_queue.cancel_join_thread()  # as PyTorch's: a worker's queue never blocks the process's exit
@@ -401,9 +419,10 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
             process = context.Process(target=_utils.worker._worker_loop, args=ordered)
             process.daemon = True
             process.start()
-        except Exception:  # out of processes or memory: the switch builds a new loader
-            started = False
-            break
+        except OSError:  # out of processes or memory (fork's EAGAIN, ENOMEM): the switch builds a new loader
+            if index_queue is not None:
+                index_queue.close()
+            return False
         iterator._index_queues.append(index_queue)
         iterator._workers.append(process)
         iterator._workers_status.append(True)
@@ -411,15 +430,7 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
         iterator._num_workers = i + 1
         object.__setattr__(loader, "num_workers", i + 1)  # past Lightning's record (see ResumableBatchSampler)
         _hand_to(iterator, i)
-    # the rest of the new workers' batches (the fewest handed first), then PyTorch's round-robin over all of them
-    running = iterator._num_workers
-    while _in_flight(iterator) < iterator._prefetch_factor * running:
-        handed = iterator._send_idx
-        _hand_to(iterator, min(range(running), key=lambda w: (iterator._workers_num_tasks[w], w)))
-        if iterator._send_idx == handed:  # the epoch has no batch left to hand
-            break
-    iterator._worker_queue_idx_cycle = itertools.cycle(range(running))
-    return started
+    return True
 
 
 def _hand_to(iterator: Any, worker: int) -> None:
@@ -451,7 +462,8 @@ def iterate_growing(loader: DataLoader) -> Iterator[Any]:
     from torch.utils.data import IterableDataset, MapDataPipe
 
     workers, prefetch = loader.num_workers, loader.prefetch_factor
-    own = type(loader)._get_iterator is DataLoader._get_iterator  # PyTorch's iterator (not a StatefulDataLoader's)
+    # PyTorch's iterator, as PyTorch's __iter__ returns it (not a StatefulDataLoader's, nor one a subclass wraps)
+    own = type(loader)._get_iterator is DataLoader._get_iterator and type(loader).__iter__ is DataLoader.__iter__
     mapped = not isinstance(loader.dataset, (IterableDataset, MapDataPipe))
     if workers < 2 or prefetch is None or not (own and mapped) or getattr(loader, "_iterator", None) is not None:
         return iter(loader)
@@ -468,7 +480,12 @@ def iterate_growing(loader: DataLoader) -> Iterator[Any]:
         object.__setattr__(loader, "num_workers", workers)
         return iterator
     iterator._prefetch_factor = prefetch
-    add_workers(loader, iterator, workers)  # where one could not start, the ones that did serve (the loader says so)
+    try:
+        add_workers(loader, iterator, workers)  # where one could not start, the ones that did serve (the loader says)
+    except BaseException:
+        shutdown_iterator(iterator)
+        object.__setattr__(loader, "num_workers", workers)
+        raise
     return iterator
 
 

@@ -388,9 +388,9 @@ def every_step_slower(a: Trial, b: Trial, policy: Policy = Policy()) -> bool:
     (40-200 ms here): that a short window at 0 workers, which an early decision left after ``sign_steps`` steps
     (:func:`plainly_input_bound`), was slower than a loader whose steps take 10 ms."""
     sa = a.stats
-    if sa.steps < policy.sign_steps or sa.wall_min_s <= 0 or not sa.samples:
+    if sa.steps < policy.sign_steps or sa.sample_wall_min_s <= 0:
         return False
-    least = sa.wall_min_s * sa.steps / sa.samples  # per sample (a shorter last batch only reads it lower)
+    least = sa.sample_wall_min_s  # each step's wall over its own batch's samples
     tb = b.compared_sec_per_sample
     return least > tb * (1.0 + 2.0 * b.rel_sem) * (1.0 + policy.min_gain)
 

@@ -58,10 +58,10 @@ class WindowStats:
     busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
     busy_trim_sem_s: float = 0.0
     busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
-    # the least wait and wall of any step of the window (of its most recent steps past the tail's size; 0.0: not
-    # measured): every step took at least this (`decide.every_step_slower`)
+    # the least wait of any step of the window, and the least wall per sample (0.0: not measured): every step took
+    # at least this (a sign test: `decide.every_step_slower`)
     wait_min_s: float = 0.0
-    wall_min_s: float = 0.0
+    sample_wall_min_s: float = 0.0
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
@@ -245,6 +245,7 @@ class _Accumulator:
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
         self.startup = self.build = 0.0
         self.behind = 0
+        self.wait_min = self.sample_wall_min = math.inf
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
@@ -260,6 +261,9 @@ class _Accumulator:
         self.fetch_cpu += fetch_cpu
         if not self.spread:  # sums only (a logging window): this runs on every step
             return
+        self.wait_min = min(self.wait_min, wait)
+        if samples:
+            self.sample_wall_min = min(self.sample_wall_min, wall / samples)
         self._wall_var.add(wall)
         self._wait_var.add(wait)
         self._busy_var.add(step + other)
@@ -299,8 +303,8 @@ class _Accumulator:
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,
             busy_p50_s=quantile(sorted(busy), 0.5),
-            wait_min_s=waits[0] if waits else 0.0,
-            wall_min_s=min(self._walls, default=0.0),
+            wait_min_s=self.wait_min if self.steps and self.spread else 0.0,
+            sample_wall_min_s=self.sample_wall_min if self.sample_wall_min < math.inf else 0.0,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
             build_s=self.build,

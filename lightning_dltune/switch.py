@@ -341,8 +341,9 @@ class GuardedIterator(Iterator[Any]):
         sampler.resume_at(self.position)
         self.abandon()  # a later decision (a switch down for memory) replaces a background start
         self._close(self.inner)
+        inner = self._start(new)  # adopted as it started (a worker that could not start is not counted)
         self._adopt(self.loader, new)
-        self.loader, self.inner = new, self._start(new)
+        self.loader, self.inner = new, inner
 
     def _start(self, new: Any) -> Iterator[Any]:
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global

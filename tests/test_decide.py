@@ -58,7 +58,7 @@ def trial(
         fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
         worker_cpu_s=worker_cpu_ms * steps / 1e3,
         wait_min_s=min_wait_ms / 1e3,
-        wall_min_s=min_wall_ms / 1e3,
+        sample_wall_min_s=min_wall_ms / 1e3 / batch,
     )
     return Trial(cfg(workers, prefetch), stats, failed)
 

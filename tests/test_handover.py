@@ -2,6 +2,7 @@
 hand-over batch, with every batch of the epoch delivered once, in order."""
 
 import gc
+import multiprocessing.context
 import time
 
 import lightning.pytorch as pl
@@ -10,7 +11,7 @@ import torch
 from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, run
 from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
-from lightning_dltune import DataLoaderTuner
+from lightning_dltune import DataLoaderTuner, _lightning
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
@@ -114,6 +115,44 @@ def test_the_hand_over_never_comes_before_the_batches_the_old_workers_were_hande
     indices, by = served(list(guard))
     assert indices == list(range(len(dataset)))
     assert by == [1] * 4 + [2] * (len(sampler) - 4) and guard.handed_over == 1
+    shut(guard.inner)
+
+
+class ForkFailsAt(multiprocessing.context.ForkContext):
+    """A fork context whose ``n``-th process start fails as fork does when the system is out of processes."""
+
+    def __init__(self, n):
+        starts = [0]
+
+        class Process(multiprocessing.context.ForkProcess):
+            def start(self):
+                starts[0] += 1
+                if starts[0] == n:
+                    raise OSError(11, "Resource temporarily unavailable")
+                super().start()
+
+        self.Process = Process
+
+
+def test_a_switch_whose_workers_cannot_all_start_serves_every_batch_on_those_that_did_and_says_so():
+    sampler = ResumableBatchSampler(range(40), 2, False)
+    old = DataLoader(list(range(40)), batch_sampler=sampler, num_workers=2)
+    new = DataLoader(list(range(40)), batch_sampler=sampler, num_workers=4, multiprocessing_context=ForkFailsAt(3))
+    adopted = []
+    guard = GuardedIterator(
+        old,
+        iter(old),
+        lambda loader: new if loader is old and guard.position == 3 else None,
+        lambda *a: None,
+        lambda it: None,
+        close=shut,
+        adopt=lambda old, new: adopted.append(LoaderSettings.from_loader(new).num_workers),
+        iterate=_lightning.iterate_growing,
+    )
+    batches = [b.tolist() for b in guard]
+    assert [i for b in batches for i in b] == list(range(40))  # nothing lost or repeated
+    # the new loader runs the 2 workers that started (the 3rd fork failed), and is adopted as such
+    assert guard.loader is new and new.num_workers == 2 and len(guard.inner._workers) == 2 and adopted == [2]
     shut(guard.inner)
 
 

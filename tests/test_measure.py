@@ -102,11 +102,16 @@ def test_the_least_wait_and_wall_of_the_steady_steps_are_kept(timer_and_clock):
         timer, clock, [(0.001, 0.0, 0.01, 0.0), (0.2, 0.0, 0.01, 0.0), (0.04, 0.0, 0.012, 0.0), (0.09, 0.0, 0.01, 0.0)]
     )
     s = timer.take_window()
-    assert s.steps == 3 and s.wait_min_s == pytest.approx(0.04) and s.wall_min_s == pytest.approx(0.052)
+    assert s.steps == 3 and s.wait_min_s == pytest.approx(0.04) and s.sample_wall_min_s == pytest.approx(0.052 / 8)
+    # per sample, each step over its own batch: a short last batch is slower per sample, not faster
+    run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2, samples=16)
+    run_steps(timer, clock, [(0.03, 0.0, 0.01, 0.0)], samples=4)
+    assert timer.peek_window().sample_wall_min_s == pytest.approx(0.05 / 16)
+    timer.take_window()
     # the logging window keeps sums only: neither the spread nor the least step
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2)
     log = timer.take_log_window()
-    assert log.steps == 5 and log.wait_min_s == 0.0 and log.wall_sem_s == 0.0
+    assert log.steps == 8 and log.wait_min_s == 0.0 and log.wall_sem_s == 0.0
 
 
 def test_log_window_is_independent_of_the_trial_window(timer_and_clock):
