@@ -96,7 +96,9 @@ def test_a_config_settled_under_a_tighter_limit_is_not_reused_under_a_looser_one
 
 def test_a_cached_config_that_stalls_is_tuned_further_not_verified(tmp_path):
     cache = tmp_path / "c.json"
-    fit(tmp_path / "1", DataLoaderTuner(cache=cache))
+    # 5 epochs: only a settled config is cached, and tuning this loader takes 3 windows here, 4 under load (CI once
+    # ended the 3rd epoch on a 4th try and cached nothing)
+    fit(tmp_path / "1", DataLoaderTuner(cache=cache), epochs=5)
     data = json.loads(cache.read_text())
     (entry,) = data["entries"].values()
     # a stale entry: 1 worker (an 89% stall on this loader) with no throughput recorded, which used to pass
@@ -112,7 +114,7 @@ def test_a_cached_config_that_stalls_is_tuned_further_not_verified(tmp_path):
 
 def test_a_heavier_per_sample_cost_does_not_pass_for_the_cached_workload(tmp_path):
     cache = tmp_path / "c.json"
-    fit(tmp_path / "1", DataLoaderTuner(cache=cache))
+    fit(tmp_path / "1", DataLoaderTuner(cache=cache), epochs=5)  # settled (see above)
     assert only_entry(cache)["sample_cost_s"] > 0.005  # 10 ms per sample, measured
     heavier = SyntheticDataModule(SyntheticDataset(length=192, latency_ms=30.0), batch_size=16, num_workers=0)
     tuner = DataLoaderTuner(cache=cache)
