@@ -347,12 +347,17 @@ def can_add_workers(loader: DataLoader, iterator: Any) -> bool:
     """Whether :func:`add_workers` can start more workers beside ``iterator``'s running ones: PyTorch's own iterator,
     running, of ``loader`` as it stands, over a map-style dataset (an iterable one shards by worker count, which the
     running workers were started with)."""
-    from torch.utils.data import IterDataPipe, MapDataPipe
-    from torch.utils.data.dataloader import _DatasetKind
-
     if not can_change_prefetch(iterator) or iterator._num_workers != loader.num_workers:
         return False
-    return iterator._dataset_kind == _DatasetKind.Map and not isinstance(iterator._dataset, (IterDataPipe, MapDataPipe))
+    return _map_style(iterator._dataset)
+
+
+def _map_style(dataset: Any) -> bool:
+    """Whether workers can be added beside running ones over ``dataset``: map-style (an iterable one, an
+    ``IterDataPipe`` among them, shards by worker count) and not a ``MapDataPipe``."""
+    from torch.utils.data import IterableDataset, MapDataPipe
+
+    return not isinstance(dataset, (IterableDataset, MapDataPipe))
 
 
 def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
@@ -459,13 +464,10 @@ def iterate_growing(loader: DataLoader) -> Iterator[Any]:
     (see :func:`can_add_workers`), with 2 workers or more; any other loader is iterated as PyTorch does, and one
     whose iterator cannot be created keeps the attributes it had. Where a worker cannot start, the iterator runs
     the ones that did, and ``loader.num_workers`` says how many."""
-    from torch.utils.data import IterableDataset, MapDataPipe
-
     workers, prefetch = loader.num_workers, loader.prefetch_factor
     # PyTorch's iterator, as PyTorch's __iter__ returns it (not a StatefulDataLoader's, nor one a subclass wraps)
     own = type(loader)._get_iterator is DataLoader._get_iterator and type(loader).__iter__ is DataLoader.__iter__
-    mapped = not isinstance(loader.dataset, (IterableDataset, MapDataPipe))
-    if workers < 2 or prefetch is None or not (own and mapped) or getattr(loader, "_iterator", None) is not None:
+    if workers < 2 or prefetch is None or not (own and _map_style(loader.dataset)) or loader._iterator is not None:
         return iter(loader)
     object.__setattr__(loader, "num_workers", 1)  # past Lightning's record (see ResumableBatchSampler)
     object.__setattr__(loader, "prefetch_factor", 1)

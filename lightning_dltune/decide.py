@@ -748,14 +748,10 @@ def handover_lead(trials: Sequence[Trial]) -> int:
     250 ms at once)."""
     if not trials or not trials[-1].usable:  # the running config's own window: without one, take over at once
         return 0
-    s, workers = trials[-1].stats, trials[-1].settings.num_workers
-    wall = s.mean_wall_s
-    if wall <= 0:
+    workers = trials[-1].settings.num_workers
+    if workers == 0 or trials[-1].stats.mean_wall_s <= 0:
         return 0
-    if workers == 0:
-        return 0
-    batch = workers * wall  # at most: workers in parallel, one batch each
-    return max(0, min(64, math.floor(batch / wall)))
+    return min(64, workers)  # a batch takes at most `workers` steps to load: workers in parallel, one batch each
 
 
 def _wasted(

@@ -303,7 +303,7 @@ class _Accumulator:
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,
             busy_p50_s=quantile(sorted(busy), 0.5),
-            wait_min_s=self.wait_min if self.steps and self.spread else 0.0,
+            wait_min_s=self.wait_min if self.wait_min < math.inf else 0.0,
             sample_wall_min_s=self.sample_wall_min if self.sample_wall_min < math.inf else 0.0,
             fetch_cpu_s=self.fetch_cpu,
             startup_s=self.startup,
