@@ -173,6 +173,7 @@ class DataLoaderTuner(Callback):
         check_tuner_arguments(*args, plot, seamless_epochs)
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
+        self._state_key = self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=max_workers)
         self.observe_only, self.tune_iterable, self.mode, self.log_gpu = observe_only, tune_iterable, mode, log_gpu
         self.cache = None if cache is True else cache
         self._cache = RunCache(self.cache)
@@ -201,9 +202,7 @@ class DataLoaderTuner(Callback):
     stall_spread = property(lambda self: self.agreement.stall_spread, doc="Max - min stall across ranks.")
     plot_file = property(lambda self: self.view.plot_file, doc="The PNG of the run drawn after ``fit``.")
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=self.max_workers)
+    state_key = property(lambda self: self._state_key, doc="Built once: Lightning reads it at every hook call.")
 
     # --- set-up and tear-down -----------------------------------------------------------------------------------
     @override

@@ -58,6 +58,7 @@ class WindowStats:
     busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
     busy_trim_sem_s: float = 0.0
     busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
+    busy_min_s: float = 0.0  # the least busy time of any step (0.0: not measured)
     # the least wait of any step of the window, and the least wall per sample (0.0: not measured): every step took
     # at least this (a sign test: `decide.every_step_slower`)
     wait_min_s: float = 0.0
@@ -245,7 +246,7 @@ class _Accumulator:
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
         self.startup = self.build = 0.0
         self.behind = 0
-        self.wait_min = self.sample_wall_min = math.inf
+        self.wait_min = self.sample_wall_min = self.busy_min = math.inf
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
@@ -262,6 +263,7 @@ class _Accumulator:
         if not self.spread:  # sums only (a logging window): this runs on every step
             return
         self.wait_min = min(self.wait_min, wait)
+        self.busy_min = min(self.busy_min, step + other)
         if samples:
             self.sample_wall_min = min(self.sample_wall_min, wall / samples)
         self._wall_var.add(wall)
@@ -303,6 +305,7 @@ class _Accumulator:
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,
             busy_p50_s=quantile(sorted(busy), 0.5),
+            busy_min_s=self.busy_min if self.busy_min < math.inf else 0.0,
             wait_min_s=self.wait_min if self.wait_min < math.inf else 0.0,
             sample_wall_min_s=self.sample_wall_min if self.sample_wall_min < math.inf else 0.0,
             fetch_cpu_s=self.fetch_cpu,
@@ -506,21 +509,43 @@ def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
     forkserver with the workers it started and reaped)."""
     import psutil
 
-    proc = process or psutil.Process()
-    times = proc.cpu_times()
-    main = times.user + times.system
-    children = times.children_user + times.children_system
-    pids = descendants(proc.pid)
+    if process is None:  # this process: os.times() reads what psutil would, without building a Process (~50 us)
+        own = os.times()
+        main, children, pid = own.user + own.system, own.children_user + own.children_system, os.getpid()
+    else:
+        times = process.cpu_times()
+        main, children, pid = times.user + times.system, times.children_user + times.children_system, process.pid
+    pids = descendants(pid)
     if pids is None:
-        pids = [child.pid for child in proc.children(recursive=True)]
-    for pid in pids:
-        try:
-            ct = psutil.Process(pid).cpu_times()
-        except psutil.Error:  # gone since: reaped by this process, it is in this process's children times
-            continue
+        pids = [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    for kid in pids:
         # what a live child reaped is its own: counted once, here (a live grandchild is counted in the walk)
-        children += ct.user + ct.system + ct.children_user + ct.children_system
+        spent = _stat_cpu_seconds(kid)
+        if spent is None:
+            try:
+                ct = psutil.Process(kid).cpu_times()
+            except psutil.Error:  # gone since: reaped by this process, it is in this process's children times
+                continue
+            spent = ct.user + ct.system + ct.children_user + ct.children_system
+        children += spent
     return main, children
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_cpu_seconds(pid: int) -> float | None:
+    """A process's CPU seconds with its reaped children's, from ``/proc/PID/stat`` (one read, where psutil takes
+    two and builds a Process: a window's reading of 16 workers went from about 0.8 ms to 0.2 ms); ``None`` where
+    it cannot be read (then ask psutil, which also tells a process gone from one it cannot read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # after the command's closing parenthesis: state is field 3, utime, stime, cutime, cstime are 14-17
+        fields = data[data.rindex(b")") + 2 :].split()
+        return sum(int(x) for x in fields[11:15]) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def descendants(pid: int) -> list[int] | None:

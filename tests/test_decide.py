@@ -251,11 +251,18 @@ def trial(
             id="a start with workers (a cache hit) is one config among others: the running one, as fast, stays",
         ),
         pytest.param(
+            [trial(0, 80, 10, fetch_cpu_ms=1), trial(12, 2, 10, p50_ms=0.1, p90_ms=8)],
+            BUDGET,
+            "try",
+            cfg(12, 4),
+            id="bursty waits with the workers the model sizes (ceil(1.25 * 80 / 10) = 10) deepen the prefetch",
+        ),
+        pytest.param(
             [trial(0, 80, 10, fetch_cpu_ms=1), trial(8, 2, 10, p50_ms=0.1, p90_ms=8)],
             BUDGET,
             "try",
-            cfg(8, 4),
-            id="bursty waits with enough workers deepen the prefetch",
+            cfg(10),
+            id="bursty waits with workers short of the model's headroom add workers before deepening the prefetch",
         ),
         pytest.param(
             [trial(0, 160, 10), trial(2, 75, 10, worker_cpu_ms=80), trial(4, 70, 10, worker_cpu_ms=80)],
@@ -322,6 +329,20 @@ def test_the_jump_from_0_workers_is_sized_on_the_typical_step_not_the_mean_its_s
     assert estimate([start, Trial(cfg(8), with_workers)], BUDGET).busy_s == pytest.approx(0.0125)
     # a window from an older cache (no median): the mean
     assert estimate([trial(0, 60, 12.5)], BUDGET).busy_s == pytest.approx(0.0125)
+
+
+def test_the_jump_from_0_workers_is_sized_on_the_least_step_there():
+    # the long-epoch benchmark: 2 steps at 0 workers, of 11 and 46 ms (a mean and median of 28.6 ms), where the
+    # step with workers takes 10 ms: sized on the median, the jump went to 8 workers and needed a second one to 16
+    slow = replace(trial(0, 170, 28.5, steps=2, p90_ms=175).stats, busy_p50_s=0.0285, busy_min_s=0.011)
+    start = Trial(cfg(0), slow)
+    assert estimate([start], BUDGET).busy_s == pytest.approx(0.011)
+    assert decide([start], Budget(cpus=2, max_workers=16)).settings == cfg(16)  # ceil(1.25 * 175 / 11) = 20
+    on_the_median = Trial(cfg(0), replace(slow, busy_min_s=0.0))  # a window from an older cache
+    assert decide([on_the_median], Budget(cpus=2, max_workers=16)).settings == cfg(8)  # ceil(1.25 * 175 / 28.5)
+    # with workers, the least step is not what the loader must keep up with: the mean stands
+    with_workers = replace(trial(8, 5, 12.5).stats, busy_min_s=0.006)
+    assert estimate([start, Trial(cfg(8), with_workers)], BUDGET).busy_s == pytest.approx(0.0125)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,19 @@
 import os
 import time
 
+import psutil
 import pytest
 import torch
 
 from lightning_dltune.decide import Trial, pick_best
-from lightning_dltune.measure import StepTimer, WindowStats, descendants, process_cpu_seconds, quantile
+from lightning_dltune.measure import (
+    StepTimer,
+    WindowStats,
+    _stat_cpu_seconds,
+    descendants,
+    process_cpu_seconds,
+    quantile,
+)
 from lightning_dltune.probe import batch_size
 from lightning_dltune.settings import LoaderSettings
 
@@ -94,15 +102,18 @@ def test_bursty_waits_show_in_the_tail(timer_and_clock):
     assert s.wait_p90_s > 20 * s.wait_p50_s
 
 
-def test_the_least_wait_and_wall_of_the_steady_steps_are_kept(timer_and_clock):
+def test_the_least_wait_wall_and_busy_time_of_the_steady_steps_are_kept(timer_and_clock):
     timer, clock = timer_and_clock
     timer.loader_requested()  # a new loader: its first step is start-up, not one of the window's
     timer.epoch_started()
     run_steps(
-        timer, clock, [(0.001, 0.0, 0.01, 0.0), (0.2, 0.0, 0.01, 0.0), (0.04, 0.0, 0.012, 0.0), (0.09, 0.0, 0.01, 0.0)]
+        timer,
+        clock,
+        [(0.001, 0.0, 0.005, 0.0), (0.2, 0.004, 0.01, 0.0), (0.04, 0.0, 0.012, 0.0), (0.09, 0.0, 0.011, 0.0)],
     )
     s = timer.take_window()
     assert s.steps == 3 and s.wait_min_s == pytest.approx(0.04) and s.sample_wall_min_s == pytest.approx(0.052 / 8)
+    assert s.busy_min_s == pytest.approx(0.011)  # the step and the host's other work: 10 + 4, 12, 11 ms
     # per sample, each step over its own batch: a short last batch is slower per sample, not faster
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2, samples=16)
     run_steps(timer, clock, [(0.03, 0.0, 0.01, 0.0)], samples=4)
@@ -335,6 +346,14 @@ def test_cpu_seconds_count_live_children_found_through_proc():
         while process_cpu_seconds()[1] - kids0 < 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert process_cpu_seconds()[1] - kids0 >= 0.5  # both children's 0.3 s, while they are alive
+        # each read from /proc/PID/stat, as psutil reads it
+        for p in procs:
+            t = psutil.Process(p.pid).cpu_times()
+            by_psutil = t.user + t.system + t.children_user + t.children_system
+            assert _stat_cpu_seconds(p.pid) == pytest.approx(by_psutil, abs=0.05)
+        # this process read through psutil, as through os.times()
+        main, _ = process_cpu_seconds(psutil.Process())
+        assert main == pytest.approx(process_cpu_seconds()[0], abs=0.05)
     finally:
         for p in procs:
             p.kill()
