@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_dltune import memory
+from lightning_dltune._stats import few
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.memory import MiB, WorkerMemory
 from lightning_dltune.settings import LoaderSettings
@@ -450,6 +451,23 @@ def _every_step_stalled(stats: WindowStats, policy: Policy) -> bool:
     return stats.wait_min_s / (stats.wait_min_s + busy) >= policy.early_stall
 
 
+def stalled_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> bool:
+    """Whether a window at 0 workers shows a plain stall after one steady step, with its start-up step as the
+    second (see :func:`plainly_input_bound`). There the first step after the build loads its batch in the training
+    process as every later one does, so its wait is one more sample of the wait, and its busy time (the model's
+    first step: warm-up, on a GPU its context and autotuning) an upper bound of the busy time. A wait that was
+    start-up only (a dataset opened lazily on its first sample) is far from the steady one, and the two samples'
+    error rules it out. The long-epoch benchmark (170-180 ms waits, 10 ms steps) then switches a batch earlier."""
+    if stats.steps != 1 or policy.early_steps > 2 or stats.startup_wait_s <= 0:
+        return False
+    w0, w1 = stats.startup_wait_s, stats.mean_wait_s
+    # two standard errors low, over two samples and widened for them, as stall_lower_bound takes them over more
+    wait = max(0.0, (w0 + w1) / 2 - 2.0 * few(1) * abs(w0 - w1) / 2)
+    busy = max(stats.startup_busy_s, stats.mean_wall_s - stats.mean_wait_s)
+    gpu = stats.gpu_stall_frac
+    return wait / (wait + busy) >= policy.early_stall and (gpu is None or gpu >= policy.early_stall) if wait else False
+
+
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     """Whether the last config, jumped to from loading in the training process (0 workers), was sized on a step
     much longer than it has now, and still stalls beyond noise after ``policy.early_steps`` steps.
@@ -501,11 +519,13 @@ def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
 
 def judged_early(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     """Whether the last trial's window can be judged before its epoch's end or a full window: its stall is plainly
-    the loader's (:func:`plainly_input_bound`), the jump to it was sized on a longer step
+    the loader's (:func:`plainly_input_bound`, at 0 workers :func:`stalled_from_the_start` too), the jump to it was sized on a longer step
     (:func:`sized_on_a_longer_step`), or with workers it stalls beyond noise after ``min_steps``
     (:func:`stalls_with_workers`)."""
+    last = trials[-1]
     return (
-        plainly_input_bound(trials[-1].stats, policy)
+        plainly_input_bound(last.stats, policy)
+        or (last.settings.num_workers == 0 and stalled_from_the_start(last.stats, policy))
         or sized_on_a_longer_step(trials, policy)
         or stalls_with_workers(trials, policy)
     )

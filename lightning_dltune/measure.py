@@ -69,6 +69,10 @@ class WindowStats:
     startup_s: float = 0.0
     build_s: float = 0.0  # of startup_s, building the loader and starting its workers (in the training process)
     startup_behind: int = 0  # 1: started in the background; startup_s is what its overlap cost beyond the old pace
+    # the first step after the build (start-up, not one of the steady steps): its wait and its busy time (0.0: none
+    # in this window). At 0 workers it loads its batch as every later step does (`decide.stalled_from_the_start`)
+    startup_wait_s: float = 0.0
+    startup_busy_s: float = 0.0
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
     worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
@@ -244,7 +248,7 @@ class _Accumulator:
         self.steps = 0
         self.samples = 0
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
-        self.startup = self.build = 0.0
+        self.startup = self.build = self.startup_wait = self.startup_busy = 0.0
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
@@ -312,6 +316,8 @@ class _Accumulator:
             startup_s=self.startup,
             build_s=self.build,
             startup_behind=self.behind,
+            startup_wait_s=self.startup_wait,
+            startup_busy_s=self.startup_busy,
         )
 
 
@@ -459,6 +465,7 @@ class StepTimer:
             # worker start-up and pipeline fill: priced apart from the steady state
             self._window.startup += wait + other
             self._log.startup += wait + other
+            self._window.startup_wait, self._window.startup_busy = wait, step + other
             self._first_after_build = False
         elif self._overlap is not None:  # the old config's, while a new loader starts behind it: logged only
             self._overlap[0] += wait + step + other

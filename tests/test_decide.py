@@ -42,6 +42,8 @@ def trial(
     failed=None,
     min_wait_ms=0.0,
     min_wall_ms=0.0,
+    start_wait_ms=0.0,
+    start_busy_ms=0.0,
 ):
     wall = (wait_ms + step_ms) * steps / 1e3
     stats = WindowStats(
@@ -58,6 +60,8 @@ def trial(
         fetch_cpu_s=fetch_cpu_ms * steps / 1e3,
         worker_cpu_s=worker_cpu_ms * steps / 1e3,
         wait_min_s=min_wait_ms / 1e3,
+        startup_wait_s=start_wait_ms / 1e3,
+        startup_busy_s=start_busy_ms / 1e3,
         sample_wall_min_s=min_wall_ms / 1e3 / batch,
     )
     return Trial(cfg(workers, prefetch), stats, failed)
@@ -95,6 +99,41 @@ def trial(
             id="a 7% stall that a worker's hand-over (1 ms, the prior) would cost as much as it hides keeps 0 workers",
         ),
         pytest.param([trial(0, 160, 10, steps=1)], BUDGET, "measure", cfg(0), id="too few steps to judge"),
+        pytest.param(
+            [trial(0, 180, 10, steps=1, start_wait_ms=170, start_busy_ms=40)],
+            BUDGET,
+            "try",
+            cfg(16),
+            id="one steady step at 0 workers and the start-up step's wait beside it, both 170-180 ms: decided",
+        ),
+        pytest.param(
+            [trial(0, 1, 10, steps=1, start_wait_ms=2000, start_busy_ms=40)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... not where the start-up step's wait was start-up only (a dataset opened lazily)",
+        ),
+        pytest.param(
+            [trial(0, 180, 10, steps=1, start_wait_ms=60, start_busy_ms=40)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... nor where the two waits are too far apart to bound the wait at half the step",
+        ),
+        pytest.param(
+            [trial(0, 180, 10, steps=1, start_wait_ms=170, start_busy_ms=3000)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... nor where the model's first step took seconds (a GPU's context): its busy time bounds the step",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 20, 10, steps=1, start_wait_ms=20, start_busy_ms=10)],
+            BUDGET,
+            "measure",
+            cfg(16),
+            id="... nor with workers, whose first step after the build waits for their start",
+        ),
         pytest.param(
             [trial(0, 60, 10, steps=2, wait_sem_ms=40, busy_sem_ms=1)],
             BUDGET,
