@@ -283,7 +283,7 @@ class DataLoaderTuner(Callback):
         now = self.probe.peek()
         if self.plan.close_in_epoch(
             self._window_steps(),
-            self.state.judge_early(now, on_gpu=self.probe.gpu is not None),
+            self.state.judge_early(now, self.budget, on_gpu=self.probe.gpu is not None),
             left,
             self.agreement.distributed,
             lambda: self.agreement.largest(batches * now.mean_wall_s),

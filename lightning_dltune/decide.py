@@ -451,21 +451,31 @@ def _every_step_stalled(stats: WindowStats, policy: Policy) -> bool:
     return stats.wait_min_s / (stats.wait_min_s + busy) >= policy.early_stall
 
 
-def stalled_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> bool:
-    """Whether a window at 0 workers shows a plain stall after one steady step, with its start-up step as the
-    second (see :func:`plainly_input_bound`). There the first step after the build loads its batch in the training
-    process as every later one does, so its wait is one more sample of the wait, and its busy time (the model's
-    first step: warm-up, on a GPU its context and autotuning) an upper bound of the busy time. A wait that was
-    start-up only (a dataset opened lazily on its first sample) is far from the steady one, and the two samples'
-    error rules it out. The long-epoch benchmark (170-180 ms waits, 10 ms steps) then switches a batch earlier."""
-    if stats.steps != 1 or policy.early_steps > 2 or stats.startup_wait_s <= 0:
+def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> bool:
+    """Whether the last window, at 0 workers, shows a plain stall after one steady step, with its start-up step as
+    the second (see :func:`plainly_input_bound`), and the jump it makes is already the largest the budget allows.
+
+    At 0 workers the first step after the build loads its batch in the training process as every later one does,
+    so its wait is one more sample of the wait, and its busy time (the model's first step: warm-up, on a GPU its
+    context and autotuning) an upper bound of the busy time. A wait that was start-up only (a dataset opened
+    lazily on its first sample) is far from the steady one, and the two samples' error rules it out. The one
+    steady step's busy time is an upper bound too (the fit's second step can still be warming up: 18-20 ms against
+    8-9 ms on the latency benchmark), and a jump sized on it could undershoot; so only where the model asks for
+    the cap already (workers, CPUs, memory or /dev/shm), which a shorter step could not raise. The latency and
+    long-epoch benchmarks (170-180 ms waits, 10 ms steps, 16 workers at the cap) then switch a batch earlier."""
+    last = trials[-1]
+    stats = last.stats
+    if last.settings.num_workers != 0 or stats.steps != 1 or policy.early_steps > 2 or stats.startup_wait_s <= 0:
         return False
     w0, w1 = stats.startup_wait_s, stats.mean_wait_s
     # two standard errors low, over two samples and widened for them, as stall_lower_bound takes them over more
     wait = max(0.0, (w0 + w1) / 2 - 2.0 * few(1) * abs(w0 - w1) / 2)
     busy = max(stats.startup_busy_s, stats.mean_wall_s - stats.mean_wait_s)
     gpu = stats.gpu_stall_frac
-    return wait / (wait + busy) >= policy.early_stall and (gpu is None or gpu >= policy.early_stall) if wait else False
+    if wait <= 0 or wait / (wait + busy) < policy.early_stall or (gpu is not None and gpu < policy.early_stall):
+        return False
+    est = estimate(trials, budget, policy)
+    return est.needed_workers >= worker_cap(est, budget, last.settings.prefetch_factor or 2)[0]
 
 
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
@@ -517,15 +527,14 @@ def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     return gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise
 
 
-def judged_early(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+def judged_early(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
     """Whether the last trial's window can be judged before its epoch's end or a full window: its stall is plainly
-    the loader's (:func:`plainly_input_bound`, at 0 workers :func:`stalled_from_the_start` too), the jump to it was sized on a longer step
-    (:func:`sized_on_a_longer_step`), or with workers it stalls beyond noise after ``min_steps``
-    (:func:`stalls_with_workers`)."""
-    last = trials[-1]
+    the loader's (:func:`plainly_input_bound`; with a ``budget``, at 0 workers, :func:`stalled_from_the_start`
+    too), the jump to it was sized on a longer step (:func:`sized_on_a_longer_step`), or with workers it stalls
+    beyond noise after ``min_steps`` (:func:`stalls_with_workers`)."""
     return (
-        plainly_input_bound(last.stats, policy)
-        or (last.settings.num_workers == 0 and stalled_from_the_start(last.stats, policy))
+        plainly_input_bound(trials[-1].stats, policy)
+        or (budget is not None and stalled_from_the_start(trials, budget, policy))
         or sized_on_a_longer_step(trials, policy)
         or stalls_with_workers(trials, policy)
     )
@@ -569,7 +578,7 @@ def decide(
         raise ValueError("`trials` is empty; measure the starting config first.")
     last = trials[-1]
     usable = [t for t in trials if t.usable]
-    if last.failed is None and last.stats.steps < policy.min_steps and not judged_early(trials, policy):
+    if last.failed is None and last.stats.steps < policy.min_steps and not judged_early(trials, policy, budget):
         return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
     if not usable:
         start = trials[0].settings
@@ -636,8 +645,10 @@ def decide(
     # Deeper prefetch lets each worker load ahead while a slow batch holds up the in-order hand-over; more workers
     # load more batches at once, which is what hides a wait on storage. So workers come first, up to what the model
     # sizes with its headroom (the bursty benchmark: 11 workers on a bursty wait went to prefetch 4, which did not
-    # pay, and settled there, where 16 workers are the best static config)
-    if can_prefetch and w >= min(cap, est.needed_workers) and _bursty(last.stats, est.busy_s, policy):
+    # pay, and settled there, where 16 workers are the best static config). Prefetch comes once the workers reach
+    # that count, or where it was measured already
+    sized = min(cap, est.needed_workers)
+    if can_prefetch and (w >= sized or cur.with_workers(sized) in tried) and _bursty(last.stats, est.busy_s, policy):
         cand = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
         fits_shm = est.shm_cap_slots is None or cand.batches_in_flight <= est.shm_cap_slots
         if cand not in tried and fits_shm:

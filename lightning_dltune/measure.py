@@ -58,7 +58,7 @@ class WindowStats:
     busy_trim_s: float = 0.0  # the mean busy time per step and its error, the slowest block left out (as wall_trim_s)
     busy_trim_sem_s: float = 0.0
     busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
-    busy_min_s: float = 0.0  # the least busy time of any step (0.0: not measured)
+    busy_min_s: float = 0.0  # the least busy time of the steps with the window's largest batch (0.0: not measured)
     # the least wait of any step of the window, and the least wall per sample (0.0: not measured): every step took
     # at least this (a sign test: `decide.every_step_slower`)
     wait_min_s: float = 0.0
@@ -251,6 +251,7 @@ class _Accumulator:
         self.startup = self.build = self.startup_wait = self.startup_busy = 0.0
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
+        self._largest = 0  # the largest batch of the window: the least busy time is its (a short last batch's is less)
         self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
@@ -267,7 +268,9 @@ class _Accumulator:
         if not self.spread:  # sums only (a logging window): this runs on every step
             return
         self.wait_min = min(self.wait_min, wait)
-        self.busy_min = min(self.busy_min, step + other)
+        if samples >= self._largest:
+            self.busy_min = step + other if samples > self._largest else min(self.busy_min, step + other)
+            self._largest = samples
         if samples:
             self.sample_wall_min = min(self.sample_wall_min, wall / samples)
         self._wall_var.add(wall)

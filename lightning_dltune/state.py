@@ -160,19 +160,22 @@ class TuningState:
         return cur.num_workers != start.num_workers or cur.persistent_workers != start.persistent_workers
 
     # --- deciding -----------------------------------------------------------------------------------------------
-    def judge_early(self, stats: WindowStats, on_gpu: bool = False) -> bool:
+    def judge_early(self, stats: WindowStats, budget: Budget | None = None, on_gpu: bool = False) -> bool:
         """Whether the window so far (``stats``: the host's, on the current config) can be judged before it is
         full: its stall is plainly the loader's beyond noise, the jump to it was sized on a longer step than it
         has, or with workers it stalls beyond noise after ``min_steps`` (see
         :func:`~lightning_dltune.decide.judged_early`).
         ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
         queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's. A window that is
-        there to read a smaller config's memory before a far jump is never judged early."""
+        there to read a smaller config's memory before a far jump is never judged early. ``budget``: the tuner's
+        (the jump a window at 0 workers makes after one steady step must reach its cap; ``None``: never so early)."""
         if self.current is None or not self.tuning or self._probing_memory:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        return judged_early([*self.trials, Trial(self.current, stats)], self.policy)
+        if budget is not None and self.memory_limit is not None:
+            budget = replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
+        return judged_early([*self.trials, Trial(self.current, stats)], self.policy, budget)
 
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
         """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its

@@ -107,6 +107,20 @@ def trial(
             id="one steady step at 0 workers and the start-up step's wait beside it, both 170-180 ms: decided",
         ),
         pytest.param(
+            [trial(0, 180, 20, steps=1, start_wait_ms=170, start_busy_ms=40)],
+            Budget(cpus=2.0, max_workers=64),
+            "measure",
+            cfg(0),
+            id="... not where the jump, sized on that one step (an upper bound), is short of the cap: 12 of 64",
+        ),
+        pytest.param(
+            [trial(0, 180, 20, steps=2, wait_sem_ms=5, start_wait_ms=170, start_busy_ms=40)],
+            Budget(cpus=2.0, max_workers=64),
+            "try",
+            cfg(12),
+            id="... which a second steady step judges as before",
+        ),
+        pytest.param(
             [trial(0, 1, 10, steps=1, start_wait_ms=2000, start_busy_ms=40)],
             BUDGET,
             "measure",
@@ -302,6 +316,13 @@ def trial(
             "try",
             cfg(10),
             id="bursty waits with workers short of the model's headroom add workers before deepening the prefetch",
+        ),
+        pytest.param(
+            [trial(0, 80, 10, fetch_cpu_ms=1), trial(10, 4, 10, steps=12), trial(8, 2, 10, p50_ms=0.1, p90_ms=8)],
+            BUDGET,
+            "try",
+            cfg(8, 4),
+            id="... and deepen it where the model's count was measured already",
         ),
         pytest.param(
             [trial(0, 160, 10), trial(2, 75, 10, worker_cpu_ms=80), trial(4, 70, 10, worker_cpu_ms=80)],

@@ -118,9 +118,11 @@ def test_the_least_wait_wall_and_busy_time_of_the_steady_steps_are_kept(timer_an
     assert s.startup_wait_s == pytest.approx(0.001) and s.startup_busy_s == pytest.approx(0.005)
     # per sample, each step over its own batch: a short last batch is slower per sample, not faster
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2, samples=16)
-    run_steps(timer, clock, [(0.03, 0.0, 0.01, 0.0)], samples=4)
-    assert timer.peek_window().sample_wall_min_s == pytest.approx(0.05 / 16)
-    timer.take_window()
+    run_steps(timer, clock, [(0.03, 0.0, 0.002, 0.0)], samples=4)
+    s = timer.take_window()
+    assert s.sample_wall_min_s == pytest.approx(0.05 / 16) and s.startup_wait_s == 0.0  # no build in this one
+    # and its step is shorter: the least busy time is that of the steps with the largest batch
+    assert s.busy_min_s == pytest.approx(0.01)
     # the logging window keeps sums only: neither the spread nor the least step
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2)
     log = timer.take_log_window()
@@ -333,6 +335,41 @@ def _burn(seconds):
     time.sleep(30)
 
 
+def _reap_a_burner(seconds: float) -> None:
+    pid = os.fork()
+    if pid == 0:  # the grandchild burns, and this child reaps it: its CPU is in the child's cutime
+        _spin(seconds)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(30)
+
+
+def _spin(seconds: float) -> None:
+    t0 = time.process_time()
+    while time.process_time() - t0 < seconds:
+        pass
+
+
+def test_a_childs_cpu_seconds_are_read_from_proc_as_psutil_reads_them_reaped_children_included():
+    import multiprocessing as mp
+
+    child = mp.get_context("fork").Process(target=_reap_a_burner, args=(0.3,), daemon=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 20
+        t = psutil.Process(child.pid).cpu_times()
+        while t.children_user + t.children_system < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            t = psutil.Process(child.pid).cpu_times()
+        assert t.children_user + t.children_system >= 0.2  # the reaped grandchild's: fields 16-17 of its stat
+        by_psutil = t.user + t.system + t.children_user + t.children_system
+        assert _stat_cpu_seconds(child.pid) == pytest.approx(by_psutil, abs=0.03)
+    finally:
+        child.kill()
+        child.join()
+    assert _stat_cpu_seconds(child.pid) is None  # gone: psutil is asked, and tells it
+
+
 def test_cpu_seconds_count_live_children_found_through_proc():
     import multiprocessing as mp
 
@@ -348,11 +385,6 @@ def test_cpu_seconds_count_live_children_found_through_proc():
         while process_cpu_seconds()[1] - kids0 < 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert process_cpu_seconds()[1] - kids0 >= 0.5  # both children's 0.3 s, while they are alive
-        # each read from /proc/PID/stat, as psutil reads it
-        for p in procs:
-            t = psutil.Process(p.pid).cpu_times()
-            by_psutil = t.user + t.system + t.children_user + t.children_system
-            assert _stat_cpu_seconds(p.pid) == pytest.approx(by_psutil, abs=0.05)
         # this process read through psutil, as through os.times()
         main, _ = process_cpu_seconds(psutil.Process())
         assert main == pytest.approx(process_cpu_seconds()[0], abs=0.05)

@@ -300,6 +300,18 @@ def test_a_jump_sized_on_the_main_process_step_is_judged_again_early():
     assert not state.judge_early(slow_step)  # the step it was sized on was right: wait for min_steps
 
 
+def test_one_steady_step_at_0_workers_is_judged_with_the_start_up_step_only_against_the_budget():
+    """The start-up step's wait is a second sample at 0 workers; the jump it allows must already reach the cap."""
+    state = started()
+    one = replace(stats(180.0, steps=1), startup_wait_s=0.170, startup_busy_s=0.040)
+    assert not state.judge_early(one)  # no budget: never on one step
+    assert state.judge_early(one, BUDGET)  # ceil(1.25 * 180 / 10) = 23 workers, over the cap of 16
+    assert not state.judge_early(one, Budget(cpus=2.0, max_workers=64))  # 23 of 64: a shorter step could add more
+    state.memory_limit = 12  # a config over the memory budget caps the workers: that cap counts too
+    assert state.judge_early(one, Budget(cpus=2.0, max_workers=64))
+    assert not state.judge_early(replace(one, startup_wait_s=0.0), BUDGET)  # no start-up step in this window
+
+
 def test_on_a_gpu_the_host_stall_closes_a_window_only_after_min_steps():
     """The host can wait while the GPU's queue fills: that is no stall, and the GPU's gap is read at the close."""
     state = started()
