@@ -461,7 +461,7 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     lazily on its first sample) is far from the steady one, and the two samples' error rules it out. The one
     steady step's busy time is an upper bound too (the fit's second step can still be warming up: 18-20 ms against
     8-9 ms on the latency benchmark), and a jump sized on it could undershoot; so only where the model asks for
-    the cap already (workers, CPUs, memory or /dev/shm), which a shorter step could not raise. The latency and
+    the cap already (``max_workers`` or the CPUs'), which a shorter step could not raise. The latency and
     long-epoch benchmarks (170-180 ms waits, 10 ms steps, 16 workers at the cap) then switch a batch earlier."""
     last = trials[-1]
     stats = last.stats
@@ -474,8 +474,10 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     gpu = stats.gpu_stall_frac
     if wait <= 0 or wait / (wait + busy) < policy.early_stall or (gpu is not None and gpu < policy.early_stall):
         return False
+    # the caps known before the window closes (the workers' and the CPUs'): memory and /dev/shm are read at the
+    # close and can only lower the cap, so a window judged on this is judged so again there
     est = estimate(trials, budget, policy)
-    return est.needed_workers >= worker_cap(est, budget, last.settings.prefetch_factor or 2)[0]
+    return est.needed_workers >= min(budget.max_workers, est.cpu_cap_workers)
 
 
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
