@@ -461,11 +461,13 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     lazily on its first sample) is far from the steady one, and the two samples' error rules it out. The one
     steady step's busy time is an upper bound too (the fit's second step can still be warming up: 18-20 ms against
     8-9 ms on the latency benchmark), and a jump sized on it could undershoot; so only where the model asks for
-    the cap already (``max_workers`` or the CPUs'), which a shorter step could not raise. The latency and
+    ``max_workers`` already, which a shorter step could not raise. The latency and
     long-epoch benchmarks (170-180 ms waits, 10 ms steps, 16 workers at the cap) then switch a batch earlier."""
     last = trials[-1]
     stats = last.stats
     if last.settings.num_workers != 0 or stats.steps != 1 or policy.early_steps > 2 or stats.startup_wait_s <= 0:
+        return False
+    if not last.usable:  # a batch of no samples
         return False
     w0, w1 = stats.startup_wait_s, stats.mean_wait_s
     # two standard errors low, over two samples and widened for them, as stall_lower_bound takes them over more
@@ -474,10 +476,12 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     gpu = stats.gpu_stall_frac
     if wait <= 0 or wait / (wait + busy) < policy.early_stall or (gpu is not None and gpu < policy.early_stall):
         return False
-    # the caps known before the window closes (the workers' and the CPUs'): memory and /dev/shm are read at the
-    # close and can only lower the cap, so a window judged on this is judged so again there
-    est = estimate(trials, budget, policy)
-    return est.needed_workers >= min(budget.max_workers, est.cpu_cap_workers)
+    # The cap on worker processes, known before the window closes (memory and /dev/shm are read at the close and
+    # can only lower the cap, so a window judged on this is judged so again there). Not the CPUs' cap: a loader
+    # bound by the CPUs gains little from a batch less at 0 workers (its batch loads in tens of ms there), and the
+    # start then has one step to show the final choice's win over it (a CPU-bound benchmark run that was judged
+    # on one step settled back on 0 workers: that one step had read fast)
+    return estimate(trials, budget, policy).needed_workers >= budget.max_workers
 
 
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:

@@ -114,6 +114,13 @@ def trial(
             id="... not where the jump, sized on that one step (an upper bound), is short of the cap: 12 of 64",
         ),
         pytest.param(
+            [trial(0, 180, 20, steps=1, fetch_cpu_ms=90, start_wait_ms=170, start_busy_ms=40)],
+            Budget(cpus=2.0, max_workers=64),
+            "measure",
+            cfg(0),
+            id="... nor where the CPUs cap the jump (4 of 64): the start needs its steps to show the final win",
+        ),
+        pytest.param(
             [trial(0, 180, 20, steps=2, wait_sem_ms=5, start_wait_ms=170, start_busy_ms=40)],
             Budget(cpus=2.0, max_workers=64),
             "try",

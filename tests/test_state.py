@@ -1,6 +1,7 @@
 """The tuning state and the window plan, without a Trainer: phase transitions, hold, failure, resume state."""
 
 import ast
+import itertools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -310,6 +311,25 @@ def test_one_steady_step_at_0_workers_is_judged_with_the_start_up_step_only_agai
     state.memory_limit = 12  # a config over the memory budget caps the workers: that cap counts too
     assert state.judge_early(one, Budget(cpus=2.0, max_workers=64))
     assert not state.judge_early(replace(one, startup_wait_s=0.0), BUDGET)  # no start-up step in this window
+
+
+def test_a_window_judged_on_one_step_is_judged_so_again_at_its_close_where_memory_is_read():
+    """The close adds the workers' and this process's memory, which can lower the cap but not raise it: the
+    decision there is a move, never 'keep measuring' (a 1-step trial and a restarted window)."""
+    judged = 0
+    for wait_ms, step_ms, workers, memory, held in itertools.product(
+        (30, 60, 120, 180), (5, 10, 20), (4, 16, 64), (None, 256 * 2**20, 4096 * 2**20), (0, 2048 * 2**20)
+    ):
+        state = started()
+        budget = Budget(cpus=2.0, max_workers=workers, memory_bytes=memory)
+        peeked = replace(stats(wait_ms, step_ms, steps=1), startup_wait_s=wait_ms / 1e3, startup_busy_s=0.040)
+        if not state.judge_early(peeked, budget):
+            continue
+        judged += 1
+        closed = replace(peeked, main_mem_bytes=held, batch_bytes=2**20, epoch_batches=100.0)
+        decision = state.decide(closed, budget, None)
+        assert decision.action != "measure", (wait_ms, step_ms, workers, memory, held, decision.reason)
+    assert judged >= 10  # the grid holds windows judged so
 
 
 def test_on_a_gpu_the_host_stall_closes_a_window_only_after_min_steps():
