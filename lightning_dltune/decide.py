@@ -283,7 +283,8 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
 
 def _host_busy(t: Trial) -> float:
     """The host's busy time per step (step and other host work) the workers are sized on. At 0 workers, the least
-    step where it was measured (the median in a window from an older cache): loading in the training process slows
+    step where it was measured (among the steps with the window's largest batch; the median in a window from an
+    older cache): loading in the training process slows
     its steps (intra-op threads contend with it, the first steps warm up), so every step there is an upper bound of
     the step with workers, and the least is the tightest. Sized on the mean or even the median of the 2-3 steps a
     plain stall is judged on, the first jump undershoots and takes a second one (the long-epoch benchmark: steps
@@ -453,7 +454,7 @@ def _every_step_stalled(stats: WindowStats, policy: Policy) -> bool:
 
 def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> bool:
     """Whether the last window, at 0 workers, shows a plain stall after one steady step, with its start-up step as
-    the second (see :func:`plainly_input_bound`), and the jump it makes is already the largest the budget allows.
+    the second (see :func:`plainly_input_bound`), and the model's worker count already reaches ``budget.max_workers``.
 
     At 0 workers the first step after the build loads its batch in the training process as every later one does,
     so its wait is one more sample of the wait, and its busy time (the model's first step: warm-up, on a GPU its
@@ -476,8 +477,8 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     gpu = stats.gpu_stall_frac
     if wait <= 0 or wait / (wait + busy) < policy.early_stall or (gpu is not None and gpu < policy.early_stall):
         return False
-    # The cap on worker processes, known before the window closes (memory and /dev/shm are read at the close and
-    # can only lower the cap, so a window judged on this is judged so again there). Not the CPUs' cap: a loader
+    # The cap on worker processes: the memory and /dev/shm caps, read at the window's close, are not consulted, so
+    # a window judged on this at its peek is judged so again at its close. Not the CPUs' cap: a loader
     # bound by the CPUs gains little from a batch less at 0 workers (its batch loads in tens of ms there), and the
     # start then has one step to show the final choice's win over it (a CPU-bound benchmark run that was judged
     # on one step settled back on 0 workers: that one step had read fast)

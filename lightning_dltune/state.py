@@ -167,8 +167,10 @@ class TuningState:
         :func:`~lightning_dltune.decide.judged_early`).
         ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
         queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's. A window that is
-        there to read a smaller config's memory before a far jump is never judged early. ``budget``: the tuner's
-        (the jump a window at 0 workers makes after one steady step must reach its cap; ``None``: never so early)."""
+        there to read a smaller config's memory before a far jump is never judged early. ``budget``: the tuner's; a
+        window at 0 workers is judged after one steady step only where the model's count reaches its
+        ``max_workers``, lowered to the memory limit (:func:`~lightning_dltune.decide.stalled_from_the_start`;
+        ``None``: never after one step)."""
         if self.current is None or not self.tuning or self._probing_memory:
             return False
         if on_gpu:
