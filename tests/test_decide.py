@@ -170,6 +170,20 @@ def trial(
             id="two steps waiting 160 ms beyond doubt: decided (a confidence bound, not a count)",
         ),
         pytest.param(
+            [trial(0, 40, 10, steps=2, wait_sem_ms=1, busy_sem_ms=2, fetch_cpu_ms=38)],
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... not where the training process's CPU does the loading: the win the CPUs cap needs 3 steps to show",
+        ),
+        pytest.param(
+            [trial(0, 40, 10, steps=3, wait_sem_ms=1, busy_sem_ms=2, fetch_cpu_ms=38)],
+            BUDGET,
+            "try",
+            cfg(2),
+            id="... which 3 steps give it",
+        ),
+        pytest.param(
             [trial(0, 160, 10, steps=3)], BUDGET, "try", cfg(16), id="an overwhelming stall is judged after 3 steps"
         ),
         pytest.param(
