@@ -673,7 +673,7 @@ def decide(
                 f"{last.stats.wait_p50_s * 1e3:.1f} ms): deeper prefetch",
                 est,
             )
-    target = min(est.needed_workers, cap)
+    target = sized
     past = _past_the_cpu_cap(trials, est, budget, binding) if target <= w else None
     if past is not None:
         cand, used = past

@@ -175,9 +175,14 @@ class TuningState:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        if budget is not None and self.memory_limit is not None:
-            budget = replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
-        return judged_early([*self.trials, Trial(self.current, stats)], self.policy, budget)
+        limited = None if budget is None else self._within_memory_limit(budget)
+        return judged_early([*self.trials, Trial(self.current, stats)], self.policy, limited)
+
+    def _within_memory_limit(self, budget: Budget) -> Budget:
+        """``budget`` with its worker cap lowered to :attr:`memory_limit`, once a config went over the memory budget."""
+        if self.memory_limit is None:
+            return budget
+        return replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
 
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
         """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its
@@ -209,8 +214,7 @@ class TuningState:
             return Decision("settle", fallback, f"{names} failed on a rank: every rank falls back to the same config")
         if self.current is None or not self.switching:
             return None
-        if self.memory_limit is not None:
-            budget = replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
+        budget = self._within_memory_limit(budget)
         trial = Trial(self.current, stats)
         down = enforce_memory([*self.trials, trial], budget, self.policy, tuning=self.tuning)
         if down is not None or not self.tuning:  # the memory budget is held after tuning too

@@ -329,9 +329,7 @@ def test_batch_size_reads_what_lightning_reads(batch):
 
 
 def _burn(seconds):
-    t0 = time.process_time()
-    while time.process_time() - t0 < seconds:
-        pass
+    _spin(seconds)
     time.sleep(30)
 
 
