@@ -31,6 +31,7 @@ at 0 workers they may read lower than the truth by that much; the host timer cou
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -103,10 +104,18 @@ class Accelerator(SimulatedModel):
         self.kernel, self.host_ms, self.sync = kernel, host_ms, sync
         self.ends: list[Any] = []
         self.first_of_epoch: list[bool] = []
+        self.kernel_ms: list[Any] = []  # the kernel's own time in each step (events around it; read by end_times)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        self.kernel()  # the step's GPU work, of known duration
+        if self.kernel.device == "cuda":
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            self.kernel()  # the step's GPU work, of known duration
+            after.record()
+            self.kernel_ms.append((before, after))
+        else:
+            self.kernel()
         self.first_of_epoch.append(batch_idx < 2)  # the epoch's first batches refill the pipeline
         return loss
 
@@ -122,19 +131,34 @@ class Accelerator(SimulatedModel):
         time.sleep(self.host_ms / 1e3)  # known host work between steps: `other`, not a stall
 
     def end_times(self) -> list[float]:
-        """Each step's end in seconds, on one clock (the GPU's for events)."""
-        if not self.ends or isinstance(self.ends[0], float):
-            return list(self.ends)
-        torch.cuda.synchronize()
-        first = self.ends[0]
-        return [first.elapsed_time(e) / 1e3 for e in self.ends]
+        """Each step's end in seconds, on one clock (the GPU's for events). The events are read once and
+        replaced by their times, so none outlives the run (see :func:`fit`)."""
+        if self.ends and not isinstance(self.ends[0], float):
+            torch.cuda.synchronize()
+            first = self.ends[0]
+            self.ends = [first.elapsed_time(e) / 1e3 for e in self.ends]
+        if self.kernel_ms and not isinstance(self.kernel_ms[0], float):
+            torch.cuda.synchronize()
+            self.kernel_ms = [before.elapsed_time(after) for before, after in self.kernel_ms]
+        return list(self.ends)
+
+    def kernel_median_ms(self) -> float | None:
+        """The kernel's median time per step as the GPU ran it (``None`` off CUDA)."""
+        self.end_times()
+        return statistics.median(self.kernel_ms) if self.kernel_ms else None
 
 
 def fit(loader: DataLoader, device: str, kernel: Kernel, sync: bool, epochs: int) -> tuple[Accelerator, list[Any]]:
     """Train with an observe-only tuner; return the model and the logging windows as ``(steps so far, host
     stats, GPU stats)``, as the tuner logged them."""
+    # A finished run's Trainer and model are garbage in reference cycles until the collector runs. Collected in a
+    # forked loader worker, a CUDA event among them is destroyed there, where CUDA cannot be used, and the worker
+    # aborts ("CUDA error: initialization error", seen on an H200): collect them here, before the workers fork,
+    # and read this run's events into plain times at once.
+    gc.collect()
     model = Accelerator(kernel, HOST_MS, sync)
     windows = observe(model, loader, epochs, lambda: len(model.ends), LOG_EVERY, accelerator=device, devices=1)
+    model.end_times()
     return model, windows
 
 
@@ -150,13 +174,25 @@ def steady_windows(model: Accelerator, windows: list[Any]) -> list[tuple[range, 
     return out
 
 
-def calibrate(device: str, kernel: Kernel, sync: bool, epochs: int, samples: int) -> float:
-    """Seconds per step with the batches already in memory (the same loop, no loader cost)."""
+def calibrate(device: str, kernel: Kernel, sync: bool, epochs: int, samples: int) -> tuple[float, float | None]:
+    """Seconds per step with the batches already in memory (the same loop, no loader cost), and the kernel's
+    median milliseconds per step in that run."""
     ds = in_memory_dataset(samples)
     batches = [collate([ds[i] for i in range(b, b + BATCH)]) for b in range(0, samples, BATCH)]
     model, windows = fit(DataLoader(Prebuilt(batches), batch_size=None), device, kernel, sync, epochs)
     ends = model.end_times()
-    return statistics.median((ends[s[-1]] - ends[s[0] - 1]) / len(s) for s, _, _ in steady_windows(model, windows))
+    per_step = statistics.median((ends[s[-1]] - ends[s[0] - 1]) / len(s) for s, _, _ in steady_windows(model, windows))
+    return per_step, model.kernel_median_ms()
+
+
+def phases(windows: list[Any]) -> dict[str, float] | None:
+    """Milliseconds per step the GPU spent idle, copying, on other host work and in the step."""
+    read = [g for _, _, g in windows if g is not None and g.steps]
+    steps = sum(g.steps for g in read)
+    if not steps:
+        return None
+    names = ("idle", "copy", "other", "step")
+    return {k: round(sum(getattr(g, f"{k}_s") for g in read) / steps * 1e3, 3) for k in names}
 
 
 def run_config(
@@ -204,12 +240,19 @@ def run_config(
         "events_error_pp": None if events_run is None else (events_run - truth_run) * 100,
         "host_error_pp": (host_run - truth_run) * 100,
         "max_window_error_pp": max(window_errors) if window_errors else None,
+        # the kernel's own median time per step, against the calibration run's (`cal_<mode>_kernel_ms`): a truth
+        # check of the truth (a kernel that runs longer here is slower GPU work, not an idle GPU)
+        "kernel_ms": model.kernel_median_ms(),
+        "steady_step_ms": statistics.median(r["wall_s"] / r["steps"] * 1e3 for r in rows) if rows else None,
+        # the GPU's time per step in each phase, over every step the timeline read (gpu.py's five marks)
+        "gpu_phase_ms": phases(windows),
         "windows": rows,
     }
     ev = "n/a" if events_run is None else f"{events_run:6.1%}"
     print(
         f"  {'sync ' if sync else 'async'} {name:9s} {workers}w  truth {truth_run:6.1%}  events {ev}  host "
-        f"{host_run:6.1%}",
+        f"{host_run:6.1%}  steady step {summary['steady_step_ms'] or float('nan'):.2f} ms, kernel "
+        f"{summary['kernel_ms'] or float('nan'):.2f} ms; GPU phases (ms) {summary['gpu_phase_ms']}",
         flush=True,
     )
     return summary
@@ -247,7 +290,38 @@ def markdown(results: dict[str, Any]) -> str:
             f"The event-based stall is within {max(errs):.1f} pp of the truth on every run (target 2 pp); "
             f"the host timer on the asynchronous runs is off by {min(host):+.1f} to {max(host):+.1f} pp.",
         ]
+    lines += step_phase_note(results)
     return "\n".join(lines)
+
+
+def step_phase_note(results: dict[str, Any]) -> list[str]:
+    """Where the events read low: the step phase beyond the kernel's own time, on asynchronous runs whose GPU
+    idled while the host waited (it had drained its queue) against those whose GPU never did."""
+    drained, fed = [], []
+    for r in results["async"]:
+        phase, kernel = r.get("gpu_phase_ms"), r.get("kernel_ms")
+        if phase is None or kernel is None:
+            return []
+        (drained if phase["idle"] > 0.1 else fed).append((r, phase["step"] - kernel))
+    if not drained:
+        return []
+
+    def span(rows: list[tuple[dict[str, Any], float]]) -> str:
+        lo, hi = min(x for _, x in rows), max(x for _, x in rows)
+        return f"{lo:.2f} ms" if hi - lo < 0.005 else f"{lo:.2f}-{hi:.2f} ms"
+
+    gaps = [(r["truth"] - r["events"]) * 100 for r, _ in drained]
+    return [
+        "",
+        f"Where the events read low ({min(gaps):.1f}-{max(gaps):.1f} pp on the asynchronous runs whose GPU idled "
+        f"while the host waited for a batch), the step phase shows why: it lasted {span(drained)} per step longer "
+        "than the kernel itself, timed by events around it"
+        + (f", against {span(fed)} where the GPU never idled" if fed else "")
+        + ". A GPU that drained its queue waiting for the batch then waits again while the host launches the step "
+        "up to its first kernel (in the queue behind the previous step, that launch cost nothing); the events book "
+        "that wait as step time, so on an asynchronous run their stall is a lower bound, by about that much per "
+        "stalled step. The synchronized runs, whose GPU drains every step with or without a loader, agree.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         "lightning": pl.__version__,
     }
     for mode, sync in (("sync", True), ("async", False)):
-        cal = calibrate(args.device, kernel, sync, epochs, samples)
+        cal, cal_kernel = calibrate(args.device, kernel, sync, epochs, samples)
         results[f"cal_{mode}_ms"] = cal * 1e3
-        print(f"{mode}: {cal * 1e3:.2f} ms per step with the batches in memory", flush=True)
+        results[f"cal_{mode}_kernel_ms"] = cal_kernel
+        print(f"{mode}: {cal * 1e3:.2f} ms per step with the batches in memory (kernel {cal_kernel} ms)", flush=True)
         results[mode] = [
             run_config(n, k, args.device, kernel, sync, cal, epochs, samples)
             for n, w in WORKLOADS.items()

@@ -5,7 +5,7 @@ import pytest
 
 from lightning_dltune._warn import reset_warnings
 
-from helpers import live_children
+from helpers import describe, live_children
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def no_leftovers():
         if not extra and not threads:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"test left behind processes {[p.pid for p in extra]} and threads {threads}")
+            pytest.fail(f"test left behind processes {[describe(p) for p in extra]} and threads {threads}")
         time.sleep(0.1)
 
 

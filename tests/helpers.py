@@ -10,16 +10,27 @@ CORES = len(os.sched_getaffinity(0))
 
 
 def live_children(process: psutil.Process | None = None, recursive: bool = True) -> list[psutil.Process]:
-    """Live child processes (of this process by default), less multiprocessing's resource tracker: the first
-    ``spawn`` in a process starts it, once, for the rest of that process's life (it is no loader worker)."""
+    """Live child processes (of this process by default), less the helpers started once for the rest of the
+    process's life, which are no loader workers: multiprocessing's resource tracker (the first ``spawn``) and Open
+    MPI's ``orted`` (where mpi4py is installed, Lightning's ``MPIEnvironment.detect()`` initializes MPI at the first
+    ``Trainer``; seen on the GPU machine, 2026-12-04)."""
     out = []
     for p in (process or psutil.Process()).children(recursive=recursive):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            command = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in command and p.name() != "orted":
                 out.append(p)
         except psutil.Error:
             continue
     return out
+
+
+def describe(p: psutil.Process) -> str:
+    """A process as a leftover report names it: its pid, parent, status and command line."""
+    try:
+        return f"{p.pid} (parent {p.ppid()}, {p.status()}): {' '.join(p.cmdline())[:200]!r}"
+    except psutil.Error as e:
+        return f"{p.pid} ({type(e).__name__})"
 
 
 class EpochClock(pl.Callback):

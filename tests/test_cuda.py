@@ -2,6 +2,7 @@
 ``scripts/gpu_check.sh``. The same logic is tested on CPU against a simulated stream (``test_gpu_timeline.py``,
 ``test_gpu_callback.py``) and a stand-in ``pynvml`` (``test_nvml.py``)."""
 
+import gc
 import time
 
 import lightning.pytorch as pl
@@ -111,7 +112,7 @@ class GpuModel(pl.LightningModule):
 
 def test_a_busy_gpu_is_not_stalled_by_host_waits_and_nvml_sees_it_busy(tmp_path):
     loader = DataLoader(SyntheticDataset(384, latency_ms=1.0), batch_size=8)  # 8 ms per batch on the host
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     trainer = make_trainer(
         tmp_path, [tuner], max_epochs=3, accelerator="gpu", devices=1, logger=TensorBoardLogger(tmp_path, name="tb")
     )
@@ -131,7 +132,7 @@ def test_a_busy_gpu_is_not_stalled_by_host_waits_and_nvml_sees_it_busy(tmp_path)
 
 def test_a_starved_gpu_gets_workers(tmp_path):
     loader = DataLoader(SyntheticDataset(512, latency_ms=3.0), batch_size=8)  # 24 ms per batch, 2 ms on the GPU
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     trainer = make_trainer(tmp_path, [tuner], max_epochs=4, accelerator="gpu", devices=1, logger=False)
     trainer.fit(GpuModel(step_ms=2.0), train_dataloaders=loader)
     first = tuner.trials[0].stats
@@ -168,7 +169,7 @@ class ConvModel(pl.LightningModule):
 
 def test_copies_that_hold_the_gpu_up_get_a_pinned_memory_trial(tmp_path):
     loader = DataLoader(Slabs(16), batch_size=None)  # 48 MiB per batch, pageable
-    tuner = DataLoaderTuner(cache=False, min_steps=6)
+    tuner = DataLoaderTuner(min_steps=6)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=6, accelerator="gpu", devices=1, logger=False)
     trainer.fit(ConvModel(), train_dataloaders=loader)
     first = tuner.trials[0].stats
@@ -178,3 +179,37 @@ def test_copies_that_hold_the_gpu_up_get_a_pinned_memory_trial(tmp_path):
     assert pinned, [t.decision for t in tuner.trials]
     copy_ms = [t.stats.gpu.mean_copy_s * 1e3 for t in (tuner.trials[0], pinned[0])]
     print(f"48 MiB copy: {copy_ms[0]:.2f} ms pageable, {copy_ms[1]:.2f} ms pinned; settled {tuner.best_settings}")
+
+
+class CollectsInWorkers(SyntheticDataset):
+    """Runs the garbage collector in the loader worker before its first sample: whatever the parent left in
+    reference cycles is destroyed there, as a worker's own allocations would make happen at some point."""
+
+    def __getitem__(self, index):
+        if not getattr(self, "_collected", False):
+            self._collected = True
+            if torch.utils.data.get_worker_info() is not None:
+                gc.collect()
+        return super().__getitem__(index)
+
+
+def test_a_dropped_tuned_run_leaves_no_cuda_event_for_a_later_runs_workers(tmp_path):
+    """A finished run's Trainer is garbage in reference cycles until the collector runs; collected in a forked
+    worker of a later loader, a CUDA event among it is destroyed where CUDA cannot be used, and the worker aborts.
+    The tuner frees its events when ``fit`` ends, and a second run's workers collect the first run's garbage."""
+    tuner = DataLoaderTuner()
+    trainer = make_trainer(tmp_path / "first", [tuner], max_epochs=2, accelerator="gpu", devices=1, logger=False)
+    loader = DataLoader(SyntheticDataset(128, latency_ms=1.0), batch_size=8)
+    trainer.fit(GpuModel(step_ms=2.0), train_dataloaders=loader)
+    assert tuner.trials and tuner.trials[0].stats.gpu_steps > 0  # the GPU timeline ran
+    left = [o for o in gc.get_objects() if type(o) is CudaEvent]  # isinstance would wake lazy torch modules
+    assert not left, f"{len(left)} CUDA events outlived fit"
+    gc.disable()  # the first run stays uncollected garbage here until the second run's workers fork
+    try:
+        del trainer, tuner
+        loader = DataLoader(CollectsInWorkers(64), batch_size=8, num_workers=2)
+        second = make_trainer(tmp_path / "second", [], max_epochs=1, accelerator="gpu", devices=1, logger=False)
+        second.fit(GpuModel(step_ms=1.0), train_dataloaders=loader)  # an aborted worker raises here
+    finally:
+        gc.enable()
+    assert second.global_step == 8

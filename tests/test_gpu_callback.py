@@ -57,7 +57,7 @@ def stream(monkeypatch):
 def test_the_host_waits_but_the_gpu_does_not_so_no_workers_are_added(tmp_path, stream):
     loader = DataLoader(SyntheticDataset(192, latency_ms=1.0), batch_size=8)  # 8 ms per batch in the main process
     model = SimGpuModel(stream, loader, step_s=0.025, copy_s=0.0005, pinned_copy_s=0.0005)
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     trainer = make_trainer(tmp_path, [tuner], max_epochs=3, logger=TensorBoardLogger(tmp_path, name="tb"))
     trainer.fit(model)
 
@@ -83,7 +83,7 @@ def test_the_host_waits_but_the_gpu_does_not_so_no_workers_are_added(tmp_path, s
 def test_a_starved_gpu_gets_workers(tmp_path, stream):
     loader = DataLoader(SyntheticDataset(256, latency_ms=3.0), batch_size=8)  # 24 ms per batch, 4 ms GPU step
     model = SimGpuModel(stream, loader, step_s=0.004, copy_s=0.0005, pinned_copy_s=0.0005)
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     make_trainer(tmp_path, [tuner], max_epochs=3, logger=False).fit(model)
 
     first = tuner.trials[0].stats
@@ -96,7 +96,7 @@ def test_a_starved_gpu_gets_workers(tmp_path, stream):
 def test_slow_copies_get_pinned_memory_and_a_transfer_bound_diagnosis(tmp_path, stream):
     loader = DataLoader(in_memory_dataset(256), batch_size=8)
     model = SimGpuModel(stream, loader, step_s=0.005, copy_s=0.006, pinned_copy_s=0.002)
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     make_trainer(tmp_path, [tuner], max_epochs=4, logger=False).fit(model)
 
     assert [t.settings.pin_memory for t in tuner.trials] == [False, True], tuner.trials
