@@ -556,7 +556,7 @@ def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
         return iterator
 
     def reset_unless_fresh(loader: Any, first_iter: bool = False) -> None:
-        if first_iter or iterator._num_yielded > 0:  # type: ignore[attr-defined]
+        if first_iter or iterator._num_yielded > 0:
             reset(loader, first_iter)
         iterator._reset = reset  # type: ignore[attr-defined]  # once: later epochs reset as PyTorch does
 

@@ -33,7 +33,7 @@ the orders are forgotten and the generators put back, so the next epoch draws ex
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
@@ -140,12 +140,12 @@ class Seamless:
         return self.epoch() == 0 or self.base_draws()
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
-        sampler = batches.sampler
+        sampler: Any = batches.sampler
         epoch = self.epoch() + ahead
         ours = isinstance(sampler, RandomSampler) and (sampler.generator is None or hasattr(sampler, "_dltune_seeded"))
         if self.setting is True and ours and not hasattr(sampler, "set_epoch"):
             sampler.generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
-            sampler._dltune_seeded = True  # type: ignore[attr-defined]
+            sampler._dltune_seeded = True
         elif self.setting == "auto" and _from_global(sampler):
             self._draw_from_global(sampler, epoch, ahead)
         if ahead < 1:
@@ -199,11 +199,11 @@ class Seamless:
         missed = expected is not None and not torch.equal(torch.get_rng_state(), expected)
         if missed:  # training drew from the global state since the order was drawn ahead: not this epoch's order
             self.ahead_of_global = False
-            loader.batch_sampler.seamless = False
+            _batches(loader).seamless = False
             info_once(
                 "seamless-global", f"DataLoaderTuner: seamless epochs stopped for this loader: {self.why_not(loader)}."
             )
-        if missed or carry[0] is not loader or not loader.batch_sampler.advance():
+        if missed or carry[0] is not loader or not _batches(loader).advance():
             self._drop(*carry)
             # the epoch's start drew a new iterator's base seed from the global state already, where a run without
             # the tuner does (a generator's draw made ahead is put back by the drop: the new iterator makes it)
@@ -223,12 +223,17 @@ class Seamless:
             self._drop(*carry)
 
     def _drop(self, loader: DataLoader, inner: Iterator[Any]) -> None:
-        if loader.batch_sampler.forget_upcoming() and self._saved:
+        if _batches(loader).forget_upcoming() and self._saved:
             for g, state in self._saved[min(self._saved)]:  # as before the first order drawn ahead
                 g.set_state(state)
         self._saved = {}
         self._global, self._expected = None, {}
         self._shutdown(loader, inner)  # a persistent loader's own iterator is reset at the next epoch instead
+
+
+def _batches(loader: DataLoader) -> ResumableBatchSampler:
+    """The batch sampler of a loader :class:`Seamless` carries (attached, so it is one of ours)."""
+    return cast(ResumableBatchSampler, loader.batch_sampler)
 
 
 def _from_global(sampler: Any) -> bool:

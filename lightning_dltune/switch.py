@@ -94,6 +94,7 @@ class ResumableBatchSampler(BatchSampler):
             start = 0
             self._begin_next_epoch()
         epoch_no, order = self._epoch_no, self._order
+        assert order is not None  # drawn above, or kept from the epoch being resumed
         n = len(self)
         bs = self.batch_size
         while True:
