@@ -246,9 +246,23 @@ def trial(
         pytest.param(
             [trial(0, 36, 10), trial(5, 6, 10, steps=35)],
             Budget(cpus=2.0, max_workers=64),
+            "try",
+            cfg(5, 4),
+            id="... a full window at 0 workers is not: the tightest bound holds (no more workers: deeper prefetch)",
+        ),
+        pytest.param(
+            [trial(0, 43, 5.5), trial(10, 1.5, 6, p50_ms=1.4, p90_ms=1.8)],
+            Budget(cpus=16.0, max_workers=64),
+            "try",
+            cfg(10, 4),
+            id="enough workers by the model, a steady wait all the same: deeper prefetch (the H200 benchmark)",
+        ),
+        pytest.param(
+            [trial(0, 43, 5.5), trial(10, 1.5, 6, p50_ms=1.4, p90_ms=1.8), trial(10, 1.4, 6, prefetch=4)],
+            Budget(cpus=16.0, max_workers=64),
             "settle",
-            cfg(5),
-            id="... a full window at 0 workers is not: the tightest bound holds",
+            cfg(10, 4),
+            id="... and settle where it did not pay (on the running config: going back would restart its workers)",
         ),
         pytest.param(
             [trial(0, 17, 9, steps=3, fetch_cpu_ms=17), trial(2, 8, 10, steps=35, worker_cpu_ms=34)],
