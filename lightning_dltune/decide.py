@@ -663,10 +663,13 @@ def decide(
     # that count, or where it was measured already
     sized = min(cap, est.needed_workers)
     deeper = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1))) if can_prefetch else cur
+    # a deeper prefetch holds more batches in /dev/shm, and at the memory budget's worker count it is not tried:
+    # workers that load further ahead grow sooner (copy-on-read), and the count was sized on the current prefetch
     can_deepen = (
         can_prefetch
         and deeper not in tried
         and (est.shm_cap_slots is None or deeper.batches_in_flight <= est.shm_cap_slots)
+        and (est.mem_cap_workers is None or w < est.mem_cap_workers)
     )
     if can_deepen and (w >= sized or cur.with_workers(sized) in tried) and _bursty(last.stats, est.busy_s, policy):
         return try_(
@@ -689,17 +692,23 @@ def decide(
             f"and {cand.num_workers} workers measure what they get",
             est,
         )
-    if target <= w and est.needed_workers <= w and can_deepen:
-        # The workers outpace the step on average, yet training waits: batches come back unevenly (the in-order
-        # hand-over holds a ready batch behind a late one) even where the waits' p90 does not stand out. A deeper
-        # prefetch is the one lever left, and it is cheap to measure (it changes the running workers in place);
-        # on an H200 it took 10-11 workers from a 24% GPU stall to 4-6% (benchmarks/gpu.py), where settling
-        # kept the 24%. It is kept only if measurably faster.
+    # No more workers to add, yet training waits: where the workers already load the mean batch faster than the
+    # step takes it (by the model's count, or at max_workers by the mean alone, the tail having sized the count
+    # past the cap), the wait comes from batches that come back late and hold up the in-order hand-over, even
+    # where the waits' p90 does not stand out. A deeper prefetch absorbs that, is cheap to measure (it changes the
+    # running workers in place) and is kept only if measurably faster: on an H200 it took 10-11 workers from a
+    # 24% GPU stall to 4-6% (benchmarks/gpu.py), and on the bursty benchmark 16 workers from 13.6 to 10.1 ms a
+    # step, where settling kept the stall. Short of the mean (a CPU, memory or /dev/shm cap, or max_workers
+    # below the mean's count) the wait is from too few workers, which prefetch does not add.
+    covers_mean = w * est.busy_s >= est.batch_s
+    if target <= w and can_deepen and (est.needed_workers <= w or (binding.startswith("max_workers") and covers_mean)):
+        why = f"{est.needed_workers} needed" if est.needed_workers <= w else f"{binding}; the mean batch needs fewer"
         return try_(
             deeper,
             0.5 * last.stats.mean_wait_s,
-            f"{w} workers load faster than the step takes batches ({est.needed_workers} needed), yet training "
-            f"waited {stall:.0%} of the time: the wait is not from too few workers; deeper prefetch",
+            f"{w} workers load a batch every {est.batch_s / w * 1e3:.1f} ms on average and the step takes "
+            f"{est.busy_s * 1e3:.1f} ms ({why}), yet training waited {stall:.0%} of the time: slow batches hold up "
+            "the hand-over; deeper prefetch",
             est,
         )
     if target <= w:

@@ -258,6 +258,20 @@ def trial(
             id="enough workers by the model, a steady wait all the same: deeper prefetch (the H200 benchmark)",
         ),
         pytest.param(
+            [trial(0, 100, 8, p90_ms=160), trial(16, 4, 8, p50_ms=3.5, p90_ms=5)],
+            Budget(cpus=2.0, max_workers=16),
+            "try",
+            cfg(16, 4),
+            id="at max_workers, past the mean batch's count, a steady wait: deeper prefetch (the bursty benchmark)",
+        ),
+        pytest.param(
+            [trial(0, 160, 9), trial(16, 3, 9, p50_ms=3, p90_ms=3.5)],
+            Budget(cpus=2.0, max_workers=16),
+            "settle",
+            cfg(16),
+            id="... short of the mean batch's count the wait is from too few workers: settle at the cap",
+        ),
+        pytest.param(
             [trial(0, 43, 5.5), trial(10, 1.5, 6, p50_ms=1.4, p90_ms=1.8), trial(10, 1.4, 6, prefetch=4)],
             Budget(cpus=16.0, max_workers=64),
             "settle",
@@ -580,6 +594,14 @@ def with_mem(t, worker_mib, batch_mib=0.0, growth_mib=0.0, main_mib=0.0, epoch=0
             cfg(5),
             "memory budget",
             id="at the memory cap: settle",
+        ),
+        pytest.param(
+            [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(5, 20, 10, p50_ms=2, p90_ms=40), 40)],
+            Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20),
+            "settle",
+            cfg(5),
+            "memory budget",
+            id="at the memory cap, bursty waits get no deeper prefetch: workers loading further ahead grow sooner",
         ),
         pytest.param(
             [with_mem(trial(0, 160, 10, fetch_cpu_ms=1), 0, 16)],
