@@ -66,7 +66,7 @@ def test_second_run_starts_from_the_cached_settings_and_only_verifies_them(tmp_p
 
 
 def test_cache_can_be_disabled(tmp_path):
-    tuner = fit(tmp_path, DataLoaderTuner(cache=False), epochs=1)
+    tuner = fit(tmp_path, DataLoaderTuner(cache=False), epochs=1)  # off: what this test is about
     assert not tuner.cache_hit and not (tmp_path / "dltune_cache.json").exists()
 
 

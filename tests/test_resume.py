@@ -22,6 +22,8 @@ def data():
 
 
 def fit(tmp_path, epochs, ckpt_path=None, tuner=None, dm=None, spy=None, every_n_steps=None, **kwargs):
+    # cache off in these resume tests: a resumed fit must go on from its checkpoint, and a fit before it in the same
+    # test would leave a cache hit for it (a resume with the default cache: test_loader_libraries.py)
     tuner = tuner or DataLoaderTuner(cache=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1, every_n_train_steps=every_n_steps)
     callbacks = [tuner, ckpt] + ([spy] if spy else [])

@@ -91,7 +91,7 @@ def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_p
             ds = SyntheticDataset(320, latency_ms=8.0)
             return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
 
-    tuner = DataLoaderTuner(cache=False, mode="in_epoch", window_steps=8, min_steps=6)
+    tuner = DataLoaderTuner(mode="in_epoch", window_steps=8, min_steps=6)
     seen = Indices()
     failed_to_start = r"workers failed to start \(ValueError: cannot open the database in a worker\)"
     with pytest.warns(DLTuneWarning, match=failed_to_start):
@@ -116,7 +116,7 @@ def test_iterable_datasets_are_retuned_only_on_request(tmp_path, opt_in):
         def train_dataloader(self):
             return DataLoader(Sharded(), batch_size=8)
 
-    tuner, seen = DataLoaderTuner(tune_iterable=opt_in, min_steps=4, cache=False), Indices()
+    tuner, seen = DataLoaderTuner(tune_iterable=opt_in, min_steps=4), Indices()
     trainer = make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False)
     if opt_in:
         trainer.fit(M(step_ms=1, features=8))
@@ -180,7 +180,7 @@ def test_custom_loader_parts_survive_every_rebuild(tmp_path):
             )
 
     check = Check()
-    make_trainer(tmp_path, [DataLoaderTuner(cache=False), check], max_epochs=3, logger=False).fit(M(step_ms=2))
+    make_trainer(tmp_path, [DataLoaderTuner(), check], max_epochs=3, logger=False).fit(M(step_ms=2))
     assert len({s[-1] for s in check.seen}) >= 2  # it was rebuilt
     for s in check.seen:
         assert s[:6] == (TaggedLoader, "mine", EveryOther, collate_with_flag, noop_init, gen)
@@ -189,6 +189,7 @@ def test_custom_loader_parts_survive_every_rebuild(tmp_path):
 def test_sample_order_depends_on_the_seed_not_on_the_settings_picked(tmp_path):
     def run(path, max_workers):
         pl.seed_everything(21, workers=True)
+        # cache off: the two runs share this test's cache file, and the second must tune from 0 workers too
         seen, tuner = Indices(), DataLoaderTuner(max_workers=max_workers, cache=False)
         dm = SyntheticDataModule(SyntheticDataset(192, latency_ms=8.0), batch_size=16, num_workers=0)
         make_trainer(path, [tuner, seen], max_epochs=4, logger=False).fit(SimulatedModel(step_ms=2), datamodule=dm)
@@ -226,7 +227,7 @@ def test_run_shapes_do_something_sensible(tmp_path, kwargs):
             return DataLoader(SyntheticDataset(32), batch_size=16)
 
     dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=4.0), batch_size=16)
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     opts = {"max_epochs": 3, **kwargs}
     trainer = make_trainer(tmp_path, [tuner], **opts)
     trainer.fit(M(step_ms=2), datamodule=dm)
@@ -239,7 +240,7 @@ def test_an_empty_loader_is_left_alone(tmp_path):
         def train_dataloader(self):
             return DataLoader(SyntheticDataset(1), batch_size=4, drop_last=True)  # zero batches
 
-    tuner = DataLoaderTuner(cache=False)
+    tuner = DataLoaderTuner()
     make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(M())
     assert tuner.trials == [] and tuner.best_settings is None
 
