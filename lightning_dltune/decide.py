@@ -547,8 +547,13 @@ def judged_early(trials: Sequence[Trial], policy: Policy = Policy(), budget: Bud
     on_the_cpu = last.settings.num_workers == 0 and 0 < 0.5 * last.stats.wait_s <= last.stats.fetch_cpu_s
     start = not on_the_cpu or last.stats.steps >= policy.sign_steps
     return (
-        (start and plainly_input_bound(last.stats, policy))
-        or (start and budget is not None and stalled_from_the_start(trials, budget, policy))
+        (
+            start
+            and (
+                plainly_input_bound(last.stats, policy)
+                or (budget is not None and stalled_from_the_start(trials, budget, policy))
+            )
+        )
         or sized_on_a_longer_step(trials, policy)
         or stalls_with_workers(trials, policy)
     )
