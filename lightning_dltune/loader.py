@@ -102,6 +102,7 @@ class LoaderSwitcher:
             serve=_lightning.serve_carried_iterator,
             release=_lightning.release_iterator,
             shutdown=_lightning.shutdown_unless_held,
+            goes_on=lambda ahead: self.trainer is None or fit_goes_on(self.trainer, ahead),
         )
 
     # --- set-up ---------------------------------------------------------------------------------------------
@@ -568,6 +569,17 @@ def remaining_steps(trainer: "pl.Trainer", done: float) -> int | None:
         trainer.global_step,
         by_steps,
     )
+
+
+def fit_goes_on(trainer: "pl.Trainer", ahead: int = 0) -> bool:
+    """Whether ``fit`` trains past the epoch ``ahead`` epochs after the running one, as far as it is known before the
+    running one ends: not past ``max_epochs``, not stopping, and more of ``max_steps`` left than the running epoch and
+    the ``ahead`` after it hold (near the end of an epoch, a fit that ends within the next one reads as ending here)."""
+    max_epochs = trainer.max_epochs
+    if trainer.should_stop or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + ahead + 1):
+        return False
+    left = remaining_steps(trainer, 0)
+    return left is None or left > (ahead + 1) * trainer.num_training_batches
 
 
 def is_last_epoch(trainer: "pl.Trainer") -> bool:

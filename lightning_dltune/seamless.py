@@ -58,6 +58,8 @@ class Seamless:
             ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)`` stops
             an iterator's workers unless the loader holds it (the loader switcher passes
             ``lightning_dltune._lightning``'s).
+        goes_on: ``goes_on(ahead)``, whether the fit trains past the epoch ``ahead`` epochs after the running one
+            (asked as the loader reaches that epoch's end): nothing past the fit's last epoch is loaded.
 
     Attributes:
         carried: how many epochs began on an iterator carried over from the epoch before.
@@ -71,10 +73,11 @@ class Seamless:
         serve: Callable[..., None] = lambda loader, take, draws_base: None,
         release: Callable[[DataLoader], None] = lambda loader: None,
         shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
+        goes_on: Callable[[int], bool] = lambda ahead: True,
     ) -> None:
         self.setting = setting
         self.epoch, self.base_draws = epoch, base_draws
-        self._serve, self._release, self._shutdown = serve, release, shutdown
+        self._serve, self._release, self._shutdown, self._goes_on = serve, release, shutdown, goes_on
         self._carry: tuple[DataLoader, Iterator[Any]] | None = None
         # the generators' states before each epoch's order was drawn ahead, by epoch: what a drop puts back
         self._saved: dict[int, list[tuple[torch.Generator, torch.Tensor]]] = {}
@@ -124,7 +127,9 @@ class Seamless:
             info_once("seamless-off", f"DataLoaderTuner: seamless epochs are off for this loader: {why}.")
         if why is None or self.setting is True:  # with True, every order is drawn epoch-seeded, workers or not
             generator = loader.generator
-            sampler.carry_on(lambda ahead: self._before_draw(sampler, generator, ahead), seamless=why is None)
+            sampler.carry_on(
+                lambda ahead: self._before_draw(sampler, generator, ahead), seamless=why is None, goes_on=self._goes_on
+            )
         else:
             sampler.seamless = False
         if why is None:

@@ -69,6 +69,7 @@ class ResumableBatchSampler(BatchSampler):
         # drawn as the workers ask for them and kept, by epoch number, until their epoch begins
         self.seamless = False
         self._before_draw: Callable[[int], None] = lambda ahead: None
+        self._goes_on: Callable[[int], bool] = lambda ahead: True  # whether the fit trains past epoch `ahead`
         self._epoch_no = 0  # the number of the epoch `_order` belongs to (counted by this sampler)
         self._upcoming: dict[int, array] = {}
         self.live = Iteration()  # the latest iteration: how far it has yielded, where it is cut (see `cut`)
@@ -104,8 +105,8 @@ class ResumableBatchSampler(BatchSampler):
                     return
                 it.next = b + 1
                 yield order[b * bs : (b + 1) * bs].tolist()
-            if not self.seamless or it.stop is not None:
-                return
+            if not self.seamless or it.stop is not None or not self._goes_on(epoch_no - self._epoch_no):
+                return  # nothing loads past the fit's last batch: the workers would only be stopped mid-batch
             # the next epoch's first batches, while this one's last are consumed: the workers never run dry
             epoch_no, start = epoch_no + 1, 0
             order = self._order_for(epoch_no)
@@ -135,16 +136,24 @@ class ResumableBatchSampler(BatchSampler):
             self._order = self._draw()
         self._upcoming = {k: v for k, v in self._upcoming.items() if k > self._epoch_no}
 
-    def carry_on(self, before_draw: Callable[[int], None], seamless: bool = True) -> None:
+    def carry_on(
+        self,
+        before_draw: Callable[[int], None],
+        seamless: bool = True,
+        goes_on: Callable[[int], bool] = lambda ahead: True,
+    ) -> None:
         """Seamless epochs: every iteration goes on into the next epochs' batches, so the workers load epoch
         e+1's first batches while epoch e's last ones are consumed. ``before_draw(ahead)`` is called before each
         order is drawn, ``ahead`` epochs after the current one (0: the current one), to make the draw exactly
         what it would be at that epoch's start (the sampler's epoch, a generator's state). ``seamless=False`` keeps
-        only the hook (iterations end with their epoch)."""
+        only the hook (iterations end with their epoch). ``goes_on(ahead)``, asked as an iteration reaches the end of
+        the epoch ``ahead`` epochs after the current one, says whether training goes on past it (the fit's last
+        epoch: False, and the iteration ends there)."""
         # set past Lightning's record of attribute changes (a loader built while it records is built again around
         # the DistributedSampler it injects, and the changes replayed): the hook holds this sampler's own sampler
         object.__setattr__(self, "seamless", seamless)
         object.__setattr__(self, "_before_draw", before_draw)
+        object.__setattr__(self, "_goes_on", goes_on)
 
     def advance(self) -> bool:
         """The next epoch begins on an iteration carried over from the last one: its order becomes the current

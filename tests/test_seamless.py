@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.cache import FINGERPRINT_SAMPLES
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
 
@@ -192,6 +193,39 @@ def test_epochs_cut_short_and_validation_between_epochs_keep_the_untuned_order(t
     tuner = DataLoaderTuner()
     tuned = short(tmp_path / "tuned_short", [tuner])
     assert tuned.epochs == untuned.epochs and tuner.switcher.seamless.carried == 0, described(tuner)
+
+
+class Counted(torch.utils.data.Dataset):
+    """Counts the samples loaded, in whatever process loads them."""
+
+    def __init__(self, n):
+        self.n = n
+        self.loaded = torch.multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with self.loaded.get_lock():
+            self.loaded.value += 1
+        return torch.zeros(32), torch.tensor(0), torch.tensor(i)
+
+
+@pytest.mark.parametrize("end", [{"max_epochs": 2}, {"max_epochs": -1, "max_steps": 10}])
+def test_nothing_past_the_fits_last_batch_is_loaded(tmp_path, end):
+    # 5 batches an epoch on 2 workers, a 100 ms step the loader keeps up with: the tuner settles on the user's
+    # config. Epoch 1's first batches load while epoch 0 ends; in the last epoch (by max_epochs or max_steps) the
+    # workers are handed no batch of an epoch that will not run: they would be stopped in the middle of it (up to a
+    # batch's time at fit's end) and take CPU from the last steps
+    data = Counted(80)
+    g = torch.Generator().manual_seed(1)
+    dl = DataLoader(data, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True, generator=g)
+    tuner = DataLoaderTuner()
+    trainer = make_trainer(tmp_path, [tuner], logger=False, **end)
+    trainer.fit(SimulatedModel(step_ms=100.0), train_dataloaders=dl)
+    assert tuner.switcher.seamless.carried == 1 and len(tuner.trials) == 1, described(tuner)
+    fingerprint = FINGERPRINT_SAMPLES  # the cache's: a few samples' cost, loaded in the main process
+    assert data.loaded.value == 2 * 80 + fingerprint, described(tuner)  # 4 batches more loaded the next epoch
 
 
 def test_seamless_epochs_argument_is_checked():
