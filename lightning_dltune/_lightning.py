@@ -15,7 +15,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from lightning_dltune.switch import apart_from_global
 
@@ -48,6 +49,13 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_try_put_index"),
     ("_MultiProcessingDataLoaderIter", "_shutdown"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
+)
+# What a running single-process iterator fetches its batches with (`time_samples`): its attribute, and the fetcher's.
+TORCH_FETCHER_STATE: tuple[tuple[str, str], ...] = (
+    ("_SingleProcessDataLoaderIter", "_dataset_fetcher"),
+    ("_MapDatasetFetcher", "dataset"),
+    ("_MapDatasetFetcher", "auto_collation"),
+    ("_MapDatasetFetcher", "fetch"),
 )
 # What a running iterator holds for each worker, and what it starts one with (`add_workers`): its own attributes,
 # set in `__init__` and `_reset` (the test checks them on a running iterator), and `_worker_loop`'s parameters.
@@ -612,3 +620,55 @@ def train_worker_pids(trainer: "pl.Trainer") -> list[int]:
     it = train_iterator(trainer)
     it = getattr(it, "inner", it)  # unwrap lightning_dltune's GuardedIterator
     return [w.pid for w in getattr(it, "_workers", None) or [] if w.pid is not None]
+
+
+class _TimedDataset:
+    """Stands for a dataset in a single-process iterator's fetcher, timing each sample it loads. Nothing but
+    ``__getitem__`` and ``__len__``: the fetcher asks for ``__getitems__``, which it has not, and loads sample by
+    sample."""
+
+    def __init__(self, dataset: Any, clock: Callable[[], float]) -> None:
+        self.dataset, self.clock = dataset, clock
+        self.times: list[float] = []
+
+    def __getitem__(self, index: Any) -> Any:
+        t0 = self.clock()
+        try:
+            return self.dataset[index]
+        finally:
+            self.times.append(self.clock() - t0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class SampleTimes:
+    """The per-sample load times of one batch of a single-process iterator (see :func:`time_samples`)."""
+
+    def __init__(self, fetcher: Any, timed: _TimedDataset) -> None:
+        self._fetcher, self._timed = fetcher, timed
+
+    def finish(self) -> list[float]:
+        """Stop timing (the fetcher loads from the dataset itself again) and return the times taken."""
+        if self._fetcher.dataset is self._timed:
+            self._fetcher.dataset = self._timed.dataset
+        return self._timed.times
+
+    @property
+    def running(self) -> bool:
+        return self._fetcher.dataset is self._timed
+
+
+def time_samples(iterator: Any, clock: Callable[[], float]) -> SampleTimes | None:
+    """Time each sample the next batches of ``iterator`` load, until :meth:`SampleTimes.finish`: a batch loaded in
+    the training process (PyTorch's single-process iterator over a map-style dataset with a batch sampler) is
+    loaded sample by sample, and a slow first sample (a file opened lazily) shows apart from the rest. ``None``
+    where that cannot be seen: workers, an iterable dataset, a dataset that loads whole batches (``__getitems__``)."""
+    fetcher = getattr(iterator, "_dataset_fetcher", None)
+    if type(iterator) is not _SingleProcessDataLoaderIter or type(fetcher) is not _MapDatasetFetcher:
+        return None
+    if not fetcher.auto_collation or getattr(fetcher.dataset, "__getitems__", None):
+        return None
+    timed = _TimedDataset(fetcher.dataset, clock)
+    fetcher.dataset = timed
+    return SampleTimes(fetcher, timed)

@@ -341,6 +341,7 @@ class DataLoaderTuner(Callback):
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
         self.probe.memory.measuring = self.state.probing_memory
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
+            self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings
             ranks = self.agreement.distributed
             behind = self.state.starts_behind(change, running, self.probe.batch_bytes, budget, ranks)
             self.switcher.switch(change.settings, now, is_last_epoch(trainer), bool(failures), behind)

@@ -74,6 +74,9 @@ class Policy:
     # memory) before one was measured: 1.0-1.5 ms for a two-tensor batch on the 2-CPU machine of BENCHMARKS.md
     handover_prior_s: float = 1e-3
     shm_fraction: float = 0.5  # share of free /dev/shm that batches in flight may take
+    # samples of a start-up batch loaded in the training process, timed one by one, enough to take that step as a
+    # steady one (`steady_from_the_start`)
+    startup_samples: int = 8
 
 
 @dataclass(frozen=True)
@@ -483,6 +486,50 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
     # start then has one step to show the final choice's win over it (a CPU-bound benchmark run that was judged
     # on one step settled back on 0 workers: that one step had read fast)
     return estimate(trials, budget, policy).needed_workers >= budget.max_workers
+
+
+def steady_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> WindowStats:
+    """A window at 0 workers that has only its start-up step, as one steady step where that step's samples show it
+    is one (else ``stats`` as it is).
+
+    At 0 workers the start-up step loads its batch in the training process as every later step does; what can set
+    it apart is a slow first sample (a file or a connection opened lazily) and the model's warm-up. Its batch was
+    timed sample by sample (``WindowStats.startup_samples``, at least ``policy.startup_samples``): the first sample
+    is counted at the others' mean, and the batch's wait taken two standard errors of that mean (widened for the
+    samples it comes from) low; the busy time stays the step's own, warm-up and all, an upper bound. The window is
+    then one steady step of that wait and that busy time, its start-up step the same (no spread between them), and
+    :func:`stalled_from_the_start` judges it as it judges one steady step: only a plain stall whose model already
+    asks for ``max_workers``, which a shorter step could only raise, switches there, a batch (a whole production
+    time at 0 workers) sooner. The timer's own window is not changed: the next steps are added to it as ever."""
+    n, rest = stats.startup_samples, stats.startup_samples - 1
+    if stats.steps != 0 or n < max(3, policy.startup_samples) or stats.startup_wait_s <= 0:
+        return stats
+    mean = stats.startup_sample_mean_s
+    lazily = max(0.0, stats.startup_first_sample_s - mean)  # the first sample's time beyond the others'
+    wait = stats.startup_wait_s - lazily - 2.0 * few(rest - 1) * n * stats.startup_sample_sem_s
+    if wait <= 0:
+        return stats
+    busy = stats.startup_busy_s
+    return replace(
+        stats,
+        steps=1,
+        samples=n,
+        wall_s=wait + busy,
+        wait_s=wait,
+        step_s=busy,
+        other_s=0.0,
+        wait_p50_s=wait,
+        wait_p90_s=wait,
+        wall_trim_s=wait + busy,
+        busy_trim_s=busy,
+        busy_p50_s=busy,
+        busy_min_s=busy,
+        wait_min_s=wait,
+        sample_wall_min_s=(wait + busy) / n,
+        fetch_cpu_s=stats.startup_fetch_cpu_s,
+        startup_wait_s=wait,
+        startup_busy_s=busy,
+    )
 
 
 def sized_on_a_longer_step(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:

@@ -89,6 +89,7 @@ class LoaderSwitcher:
         self._fresh = False  # the running loader has not delivered a batch yet
         self._grown_until = -1  # before this batch, a failure is the start-up failure of workers added in place
         self._growing = False  # workers added in place are starting (their steps are start-up)
+        self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
@@ -356,6 +357,9 @@ class LoaderSwitcher:
 
     def batch_done(self) -> None:
         self._fresh = False
+        if self._sample_times is not None:  # the start-up step's batch, loaded in the training process
+            timing, self._sample_times = self._sample_times, None
+            self.probe.startup_samples(timing.finish())
         if self._growing and self._guarded is not None and self._guarded.position >= self._grown_until:
             self._grown()
 
@@ -371,6 +375,14 @@ class LoaderSwitcher:
             assert self.trainer is not None
             _lightning.wrap_train_iterator(self.trainer, self._guard)
         self.probe.fetch_started()
+        if self._sample_times is not None:  # timed for a fetch that ended no step (an epoch with no batch left)
+            self._sample_times.finish()
+            self._sample_times = None
+        guard = self._guarded
+        if self.state.tuning and self.probe.startup_next and guard is not None and self._sample_times is None:
+            # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
+            # lazily shows apart from the rest, and the step can be judged on its own (`decide.steady_from_the_start`)
+            self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
 
     def _guard(self, loader: Any, inner: Iterator[Any]) -> Iterator[Any]:
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -73,6 +73,14 @@ class WindowStats:
     # in this window). At 0 workers it loads its batch as every later step does (`decide.stalled_from_the_start`)
     startup_wait_s: float = 0.0
     startup_busy_s: float = 0.0
+    startup_fetch_cpu_s: float = 0.0  # the start-up step's fetch, on the training process's CPU
+    # the start-up step's batch, loaded in the training process sample by sample (`_lightning.time_samples`; 0: not
+    # timed): how many samples, the first one's time, and the others' mean time and its standard error. A first
+    # sample that opened a file lazily shows apart from the rest (`decide.steady_from_the_start`)
+    startup_samples: int = 0
+    startup_first_sample_s: float = 0.0
+    startup_sample_mean_s: float = 0.0
+    startup_sample_sem_s: float = 0.0
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
     worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
@@ -248,7 +256,8 @@ class _Accumulator:
         self.steps = 0
         self.samples = 0
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
-        self.startup = self.build = self.startup_wait = self.startup_busy = 0.0
+        self.startup = self.build = self.startup_wait = self.startup_busy = self.startup_fetch_cpu = 0.0
+        self.startup_samples: list[float] = []
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
         self._largest = 0  # the largest batch of the window: the least busy time is its (a short last batch's is less)
@@ -321,7 +330,22 @@ class _Accumulator:
             startup_behind=self.behind,
             startup_wait_s=self.startup_wait,
             startup_busy_s=self.startup_busy,
+            startup_fetch_cpu_s=self.startup_fetch_cpu,
+            **_sample_summary(self.startup_samples),
         )
+
+
+def _sample_summary(times: list[float]) -> dict[str, Any]:
+    """The ``startup_*sample*`` fields of :class:`WindowStats` for the start-up batch's per-sample ``times``."""
+    if len(times) < 3:
+        return {}
+    rest = times[1:]
+    return {
+        "startup_samples": len(times),
+        "startup_first_sample_s": times[0],
+        "startup_sample_mean_s": sum(rest) / len(rest),
+        "startup_sample_sem_s": sem(rest),
+    }
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
@@ -353,7 +377,7 @@ class StepTimer:
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._window = _Accumulator(tail_size)
-        self._log = _Accumulator(tail_size, spread=False)  # logged: sums only
+        self._log = _Accumulator(tail_size, spread=False)  # logged: sums only, over every step
         self._ref: float | None = None
         self._requested_at: float | None = None
         self._first_after_build = False
@@ -399,6 +423,11 @@ class StepTimer:
             build = self._clock() - t0
             self._window.build += build
             self._log.build += build
+
+    def startup_samples(self, times: Sequence[float]) -> None:
+        """The per-sample load times of the start-up step's batch (after :meth:`step_ended`), where it was loaded in
+        the training process (see ``_lightning.time_samples``)."""
+        self._window.startup_samples = list(times)
 
     def overlap_started(self) -> None:
         """A new loader starts in the background; the steps until it takes over (:meth:`rebuilt_in_fetch`) are
@@ -465,10 +494,12 @@ class StepTimer:
         wait = self._wait
         other = max(0.0, self._gap - wait - self._paused)
         if self._first_after_build:
-            # worker start-up and pipeline fill: priced apart from the steady state
+            # worker start-up and pipeline fill: priced apart from the steady state, and logged as every step is
+            # (what training waited for, a switch's start-up included)
             self._window.startup += wait + other
-            self._log.startup += wait + other
+            self._log.add(wait, step, other, samples, self._fetch_cpu)
             self._window.startup_wait, self._window.startup_busy = wait, step + other
+            self._window.startup_fetch_cpu = self._fetch_cpu
             self._first_after_build = False
         elif self._overlap is not None:  # the old config's, while a new loader starts behind it: logged only
             self._overlap[0] += wait + step + other
@@ -485,6 +516,11 @@ class StepTimer:
         """Whether the step about to run counts as steady state (it is not the first after a loader build, nor
         the old config's while a new loader starts behind it)."""
         return not self._first_after_build and self._overlap is None
+
+    @property
+    def startup_next(self) -> bool:
+        """Whether the step about to run is the first after a loader build (its start-up step)."""
+        return self._first_after_build
 
     # --- windows ----------------------------------------------------------------------------------------------
     @property

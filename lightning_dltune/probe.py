@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -244,6 +244,19 @@ class Probe:
 
     def build_loader(self, create: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         return self.timer.build_loader(create)
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def startup_next(self) -> bool:
+        """Whether the step about to run is a loader's start-up step (the first after its build)."""
+        return self.timer.startup_next
+
+    def startup_samples(self, times: Sequence[float]) -> None:
+        """The per-sample load times of the start-up step's batch, where it loaded in the training process."""
+        self.timer.startup_samples(times)
 
     def overlap_started(self) -> None:
         self.timer.overlap_started()

@@ -34,6 +34,7 @@ from lightning_dltune.decide import (
     judged_early,
     pick_best,
     plainly_input_bound,
+    steady_from_the_start,
     still_open,
     verify_cached,
     worker_memory,
@@ -176,7 +177,14 @@ class TuningState:
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
         limited = None if budget is None else self._within_memory_limit(budget)
-        return judged_early([*self.trials, Trial(self.current, stats)], self.policy, limited)
+        return judged_early([*self.trials, Trial(self.current, self.judged(stats))], self.policy, limited)
+
+    def judged(self, stats: WindowStats) -> WindowStats:
+        """The window ``stats`` as it is judged and recorded: at 0 workers, a start-up step whose samples show it
+        steady counts as a steady one (:func:`~lightning_dltune.decide.steady_from_the_start`)."""
+        if self.current is None or self.current.num_workers != 0 or not self.tuning:
+            return stats
+        return steady_from_the_start(stats, self.policy)
 
     def _within_memory_limit(self, budget: Budget) -> Budget:
         """``budget`` with its worker cap lowered to :attr:`memory_limit`, once a config went over the memory budget."""
@@ -215,7 +223,7 @@ class TuningState:
         if self.current is None or not self.switching:
             return None
         budget = self._within_memory_limit(budget)
-        trial = Trial(self.current, stats)
+        trial = Trial(self.current, self.judged(stats))
         down = enforce_memory([*self.trials, trial], budget, self.policy, tuning=self.tuning)
         if down is not None or not self.tuning:  # the memory budget is held after tuning too
             return down
@@ -275,7 +283,8 @@ class TuningState:
             if not self.done:  # observing or disabled: the window is recorded as it was
                 self.trials.append(Trial(self.current, stats))
             return None
-        self.trials.append(Trial(self.current, stats, failed=decision.failed, decision=decision_text(decision)))
+        judged = Trial(self.current, self.judged(stats), failed=decision.failed, decision=decision_text(decision))
+        self.trials.append(judged)
         self._probing_memory = decision.action == "try" and decision.probe_memory
         if decision.failed is not None:  # only the memory budget fails a config by decision
             limit = decision.settings.num_workers

@@ -11,6 +11,7 @@ from lightning_dltune.decide import (
     estimate,
     handover_s,
     pick_best,
+    steady_from_the_start,
     verify_cached,
 )
 from lightning_dltune.measure import WindowStats
@@ -399,6 +400,77 @@ def trial(
 def test_decide(trials, budget, action, expected):
     decision = decide(trials, budget, Policy())
     assert (decision.action, decision.settings) == (action, expected), decision.reason
+
+
+def start_only(samples_ms, busy_ms=7.0, collate_ms=1.0, fetch_cpu_ms=0.0):
+    """A window at 0 workers that has only its start-up step, its batch timed sample by sample."""
+    from lightning_dltune._stats import sem
+
+    rest = [ms / 1e3 for ms in samples_ms[1:]]
+    return WindowStats(
+        startup_wait_s=(sum(samples_ms) + collate_ms) / 1e3,
+        startup_busy_s=busy_ms / 1e3,
+        startup_fetch_cpu_s=fetch_cpu_ms / 1e3,
+        startup_samples=len(samples_ms),
+        startup_first_sample_s=samples_ms[0] / 1e3,
+        startup_sample_mean_s=sum(rest) / max(1, len(rest)),
+        startup_sample_sem_s=sem(rest) if len(rest) > 1 else 0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("stats", "budget", "action", "expected"),
+    [
+        pytest.param(start_only([10.0] * 16), BUDGET, "try", cfg(16), id="16 samples of 10 ms: a plain stall, decided"),
+        pytest.param(
+            start_only([2000.0] + [10.0] * 15),
+            BUDGET,
+            "try",
+            cfg(16),
+            id="a file opened on the first sample: the batch still waits 150 ms for the others, decided",
+        ),
+        pytest.param(
+            start_only([2000.0] + [0.1] * 15),
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="... but not where the opening was the whole wait (the others take 0.1 ms)",
+        ),
+        pytest.param(
+            start_only([10.0] * 4),
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="4 samples are too few to tell a steady batch from a slow start",
+        ),
+        pytest.param(
+            start_only([0.5] * 14 + [100.0, 100.0]),
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="two slow samples of 16 (a bursty store): too far apart for their mean to show a plain stall",
+        ),
+        pytest.param(
+            start_only([10.0] * 16, fetch_cpu_ms=150.0),
+            BUDGET,
+            "measure",
+            cfg(0),
+            id="loaded on the training process's CPU: the CPUs cap the win, which needs more steps to show",
+        ),
+        pytest.param(
+            start_only([10.0] * 16, busy_ms=20.0),
+            Budget(cpus=2.0, max_workers=64),
+            "measure",
+            cfg(0),
+            id="the model's count, on the first step's busy time (an upper bound), short of the cap: 11 of 64",
+        ),
+    ],
+)
+def test_a_start_up_step_whose_samples_show_it_steady_is_judged_alone(stats, budget, action, expected):
+    judged = steady_from_the_start(stats)
+    decision = decide([Trial(cfg(0), judged)], budget, Policy())
+    assert (decision.action, decision.settings) == (action, expected), decision.reason
+    assert steady_from_the_start(replace(judged, steps=1)) == replace(judged, steps=1)  # a window with steps: as is
 
 
 def test_trial_budget_ends_tuning():

@@ -1,5 +1,6 @@
 import os
 import signal
+import time
 from itertools import islice, pairwise
 
 import lightning.pytorch as pl
@@ -211,6 +212,46 @@ def test_a_short_epoch_switches_once_the_stall_is_obvious_unless_told_to_wait(tm
     else:
         assert tuner.trials[0].stats.steps == 59  # the whole first epoch but its start-up step
         assert first_epoch == {0}
+
+
+class OpensLazily(SyntheticDataset):
+    """Opens its store on the first sample a process loads (0.5 s); every sample after that is fast."""
+
+    def __getitem__(self, index):
+        if not getattr(self, "opened", False):
+            time.sleep(0.5)
+            self.opened = True
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_first_step_at_0_workers_decides_alone_where_its_samples_show_a_plain_stall(tmp_path, lazy):
+    # 16 samples of 20 ms a batch and a 2 ms step: every sample of the first step waits alike, a stall whose model
+    # asks for more workers than max_workers: the switch follows that step (not the second), the epoch trained in
+    # the untuned order. A store opened on the first sample waits longer still, but the other samples are fast: not
+    # judged on that step. The cache's fingerprint loads a few samples in the training process before the first
+    # step, which opens the store there: the lazy case turns the cache off to show the first step opening it
+    def fit(path, tuner, record):
+        pl.seed_everything(3)
+        data = OpensLazily(480) if lazy else SyntheticDataset(480, latency_ms=20.0)
+        callbacks = record if isinstance(record, list) else [record]
+        trainer = make_trainer(path, [tuner, *callbacks], max_epochs=1, logger=False)
+        trainer.fit(SimulatedModel(step_ms=2), datamodule=SyntheticDataModule(data, batch_size=16))
+
+    reference = EpochIndices()
+    fit(tmp_path / "a", DataLoaderTuner(observe_only=True), reference)  # the order of a run that never switches
+    tuner, workers, record = DataLoaderTuner(cache=not lazy), WorkersPerBatch(), EpochIndices()
+    fit(tmp_path / "b", tuner, [record, workers])
+    assert record.epochs == reference.epochs
+    assert tuner.trials[0].settings.num_workers == 0, described(tuner)
+    if lazy:
+        assert tuner.trials[0].stats.steps > 1 and workers.seen[2] == (0, 0), described(tuner)
+    else:
+        assert workers.seen[:2] == [(0, 0), (0, 16)], described(tuner)
+
+
+def described(tuner):
+    return [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.trials]
 
 
 def test_a_worker_dying_after_settling_moves_the_result_the_cache_and_the_checkpoint_off_it(tmp_path):

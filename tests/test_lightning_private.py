@@ -3,6 +3,7 @@
 import inspect
 import multiprocessing.context
 import multiprocessing.queues
+import time
 from functools import reduce
 
 import lightning.pytorch as pl
@@ -101,6 +102,44 @@ def test_torch_dataloader_internals_used_for_switching_exist():
         assert it._worker_pids_set is False
     finally:
         _lightning.shutdown_workers(dl)
+
+
+def test_a_batch_loaded_in_the_training_process_is_timed_sample_by_sample():
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            time.sleep(0.05 if i == 0 else 0.001)  # a file opened on the first sample
+            return i
+
+    dl = DataLoader(Slow(), batch_size=4)
+    it = iter(dl)
+    fetcher = it._dataset_fetcher
+    owners = {cls.__name__: obj for obj in (it, fetcher) for cls in type(obj).__mro__}
+    for owner, name in _lightning.TORCH_FETCHER_STATE:
+        assert owner in owners, f"torch renamed `{owner}`: update _lightning.TORCH_FETCHER_STATE"
+        assert hasattr(owners[owner], name), f"torch moved `{owner}.{name}`: update _lightning.time_samples"
+    timing = _lightning.time_samples(it, time.perf_counter)
+    assert timing is not None and timing.running
+    assert next(it).tolist() == [0, 1, 2, 3]
+    times = timing.finish()
+    assert len(times) == 4 and times[0] > 0.04 and max(times[1:]) < times[0] / 2, times
+    assert fetcher.dataset is dl.dataset and not timing.running  # loads from the dataset itself again
+    assert next(it).tolist() == [4, 5, 6, 7] and len(times) == 4
+
+    class Batched(Slow):
+        def __getitems__(self, indices):  # loads a whole batch at once: no sample apart
+            return list(indices)
+
+    assert _lightning.time_samples(iter(DataLoader(Batched(), batch_size=4)), time.perf_counter) is None
+    assert _lightning.time_samples(iter(DataLoader(Slow(), batch_size=None)), time.perf_counter) is None
+    workers = DataLoader(Slow(), batch_size=4, num_workers=1)
+    it = iter(workers)
+    try:
+        assert _lightning.time_samples(it, time.perf_counter) is None
+    finally:
+        it._shutdown_workers()
 
 
 def test_prefetch_changes_in_place_on_running_workers_and_every_batch_comes_once_in_order():

@@ -102,6 +102,21 @@ def test_bursty_waits_show_in_the_tail(timer_and_clock):
     assert s.wait_p90_s > 20 * s.wait_p50_s
 
 
+def test_the_start_up_steps_samples_are_summarized_apart_from_the_first(timer_and_clock):
+    timer, clock = timer_and_clock
+    timer.loader_requested()
+    timer.epoch_started()
+    assert timer.startup_next
+    run_steps(timer, clock, [(0.17, 0.0, 0.005, 0.0)])
+    assert not timer.startup_next
+    timer.startup_samples([0.05, 0.010, 0.012, 0.008])  # a slow first sample, then three alike
+    s = timer.peek_window()
+    assert s.steps == 0 and s.startup_samples == 4 and s.startup_first_sample_s == pytest.approx(0.05)
+    assert s.startup_sample_mean_s == pytest.approx(0.010) and s.startup_sample_sem_s == pytest.approx(0.002 / 3**0.5)
+    timer.startup_samples([0.01, 0.01])  # too few to tell the first apart from the rest: none
+    assert timer.peek_window().startup_samples == 0
+
+
 def test_the_least_wait_wall_and_busy_time_of_the_steady_steps_are_kept(timer_and_clock):
     timer, clock = timer_and_clock
     timer.loader_requested()  # a new loader: its first step is start-up, not one of the window's
@@ -123,10 +138,10 @@ def test_the_least_wait_wall_and_busy_time_of_the_steady_steps_are_kept(timer_an
     assert s.sample_wall_min_s == pytest.approx(0.05 / 16) and s.startup_wait_s == 0.0  # no build in this one
     # and its step is shorter: the least busy time is that of the steps with the largest batch
     assert s.busy_min_s == pytest.approx(0.01)
-    # the logging window keeps sums only: neither the spread nor the least step
+    # the logging window keeps sums only, over every step (the start-up step too): neither the spread nor the least
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2)
     log = timer.take_log_window()
-    assert log.steps == 8 and log.wait_min_s == 0.0 and log.wall_sem_s == 0.0
+    assert log.steps == 9 and log.wait_min_s == 0.0 and log.wall_sem_s == 0.0
 
 
 def test_log_window_is_independent_of_the_trial_window(timer_and_clock):
@@ -265,7 +280,7 @@ def test_a_background_start_is_charged_its_overlap_beyond_the_old_pace_and_the_h
     s = timer.take_window()
     assert s.steps == 2 and s.wait_s == pytest.approx(0.002)
     assert s.startup_s == pytest.approx(3 * 0.010 + 0.020)  # 10 ms a step beyond the old pace, and the wait
-    assert timer.take_log_window().steps == 4 + 3 + 2  # every served step is logged, but the hand-over's
+    assert timer.take_log_window().steps == 4 + 3 + 1 + 2  # every served step is logged, the hand-over's too
 
 
 def test_a_loader_built_inside_a_fetch_is_timed_on_the_timers_clock(timer_and_clock):
