@@ -473,6 +473,20 @@ def test_a_start_up_step_whose_samples_show_it_steady_is_judged_alone(stats, bud
     assert steady_from_the_start(replace(judged, steps=1)) == replace(judged, steps=1)  # a window with steps: as is
 
 
+def test_at_max_workers_a_deeper_prefetch_made_on_the_running_workers_is_tried_short_of_the_mean_too():
+    # 16 workers at the cap, a wait left: their count times the step (144 ms) reads short of a 160 ms batch, which a
+    # batch holding up the in-order hand-over inflates as a slow store does; measured in place, it restarts nothing
+    trials = [trial(0, 160, 9), trial(16, 3, 9, p50_ms=3, p90_ms=3.5)]
+    budget = Budget(cpus=2.0, max_workers=16)
+    assert decide(trials, budget, Policy()).action == "settle"  # a restart: only past the mean's count
+    moved = decide(trials, budget, Policy(), in_place=True)
+    assert (moved.action, moved.settings) == ("try", cfg(16, 4)), moved.reason
+    tried = [*trials, trial(16, 3, 9, prefetch=4)]  # ... and did not pay: settled, on the running config
+    assert decide(tried, budget, Policy(), in_place=True).action == "settle"
+    capped = decide(trials, Budget(cpus=2.0, max_workers=64), Policy(), in_place=True)  # not at the cap: workers
+    assert (capped.action, capped.settings.num_workers) == ("try", 23), capped.reason
+
+
 def test_trial_budget_ends_tuning():
     trials = [trial(0, 160, 10, fetch_cpu_ms=1), trial(4, 40, 10), trial(8, 20, 10)]
     decision = decide(trials, Budget(cpus=2, max_workers=64), Policy(max_trials=3))
