@@ -305,6 +305,17 @@ def trial(
             id="... once: as fast within noise, the running config stays",
         ),
         pytest.param(
+            [
+                trial(0, 17, 7.5, steps=3, fetch_cpu_ms=17),
+                trial(2, 14, 7, steps=35, worker_cpu_ms=17),
+                trial(4, 4, 14, steps=35, worker_cpu_ms=34),
+            ],
+            BUDGET,
+            "settle",
+            cfg(4),
+            id="... faster, the model's count reached, still waiting for the CPUs: no deeper prefetch (the CPU benchmark)",
+        ),
+        pytest.param(
             [trial(0, 80, 10), trial(10, 3, 5, steps=3)],
             BUDGET,
             "try",
