@@ -313,7 +313,7 @@ def trial(
             BUDGET,
             "settle",
             cfg(4),
-            id="... faster, the model's count reached, still waiting for the CPUs: no deeper prefetch (the CPU benchmark)",
+            id="... faster, at the model's count, still waiting for the CPUs: no deeper prefetch (the CPU benchmark)",
         ),
         pytest.param(
             [trial(0, 80, 10), trial(10, 3, 5, steps=3)],
