@@ -21,7 +21,7 @@ from lightning_dltune.settings import LoaderSettings
 
 T = TypeVar("T")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
-_INT_FIELDS = ("steps", "samples", "gpu_steps", "startup_behind", "startup_samples")
+_INT_FIELDS = ("steps", "samples", "gpu_steps", "startup_behind", "startup_samples", "startup_step_samples")
 # memory is held per node: the rank whose workers hold the most decides (not the slowest rank's)
 _MAX_FIELDS = tuple(f for f in _STATS_FIELDS if "mem" in f or f == "batch_bytes")
 

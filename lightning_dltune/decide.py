@@ -494,26 +494,28 @@ def steady_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> Wind
 
     At 0 workers the start-up step loads its batch in the training process as every later step does; what can set
     it apart is a slow first sample (a file or a connection opened lazily) and the model's warm-up. Its batch was
-    timed sample by sample (``WindowStats.startup_samples``, at least ``policy.startup_samples``): the first sample
-    is counted at the others' mean, and the batch's wait taken two standard errors of that mean (widened for the
-    samples it comes from) low; the busy time stays the step's own, warm-up and all, an upper bound. The window is
+    timed sample by sample (``WindowStats.startup_samples``, at least ``policy.startup_samples``): the batch's wait is
+    taken as its samples' count times the mean of all but the first (a first sample that opened a file lazily
+    counts at the others' mean), two standard errors of that mean (widened for the samples it comes from) low, and
+    never above the step's whole wait. What the first fetch spends beside its samples (drawing the epoch's order,
+    the first collation) is left out: the wait reads low, not high. The busy time stays the step's own, warm-up and
+    all, an upper bound, and the samples are the step's own count (as every window counts them). The window is
     then one steady step of that wait and that busy time, its start-up step the same (no spread between them), and
     :func:`stalled_from_the_start` judges it as it judges one steady step: only a plain stall whose model already
     asks for ``max_workers``, which a shorter step could only raise, switches there, a batch (a whole production
     time at 0 workers) sooner. The timer's own window is not changed: the next steps are added to it as ever."""
-    n, rest = stats.startup_samples, stats.startup_samples - 1
-    if stats.steps != 0 or n < max(3, policy.startup_samples) or stats.startup_wait_s <= 0:
+    n, rest, samples = stats.startup_samples, stats.startup_samples - 1, stats.startup_step_samples
+    if stats.steps != 0 or n < max(3, policy.startup_samples) or stats.startup_wait_s <= 0 or samples <= 0:
         return stats
-    mean = stats.startup_sample_mean_s
-    lazily = max(0.0, stats.startup_first_sample_s - mean)  # the first sample's time beyond the others'
-    wait = stats.startup_wait_s - lazily - 2.0 * few(rest - 1) * n * stats.startup_sample_sem_s
+    low = stats.startup_sample_mean_s - 2.0 * few(rest - 1) * stats.startup_sample_sem_s
+    wait = min(stats.startup_wait_s, n * low)
     if wait <= 0:
         return stats
     busy = stats.startup_busy_s
     return replace(
         stats,
         steps=1,
-        samples=n,
+        samples=samples,
         wall_s=wait + busy,
         wait_s=wait,
         step_s=busy,
@@ -525,7 +527,7 @@ def steady_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> Wind
         busy_p50_s=busy,
         busy_min_s=busy,
         wait_min_s=wait,
-        sample_wall_min_s=(wait + busy) / n,
+        sample_wall_min_s=(wait + busy) / samples,
         fetch_cpu_s=stats.startup_fetch_cpu_s,
         startup_wait_s=wait,
         startup_busy_s=busy,

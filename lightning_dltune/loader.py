@@ -90,6 +90,7 @@ class LoaderSwitcher:
         self._grown_until = -1  # before this batch, a failure is the start-up failure of workers added in place
         self._growing = False  # workers added in place are starting (their steps are start-up)
         self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
+        self._times_spoiled = False  # this step fetched twice: its samples are not timed
         self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
@@ -335,6 +336,10 @@ class LoaderSwitcher:
         """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable
+        if self._sample_times is not None:  # timed for the fetch that ended the last epoch: no step's
+            self._sample_times.finish()
+            self._sample_times = None
+        self._times_spoiled = False
 
     def epoch_ended(self, last_epoch: bool) -> None:
         """A train epoch ended, after the tuner's decision: a reload asked for during it happens now. An epoch
@@ -356,7 +361,7 @@ class LoaderSwitcher:
         self._reload = False
 
     def batch_done(self) -> None:
-        self._fresh = False
+        self._fresh, self._times_spoiled = False, False
         if self._sample_times is not None:  # the start-up step's batch, loaded in the training process
             timing, self._sample_times = self._sample_times, None
             self.probe.startup_samples(timing.finish())
@@ -375,11 +380,11 @@ class LoaderSwitcher:
             assert self.trainer is not None
             _lightning.wrap_train_iterator(self.trainer, self._guard)
         self.probe.fetch_started()
-        if self._sample_times is not None:  # timed for a fetch that ended no step (an epoch with no batch left)
-            self._sample_times.finish()
-            self._sample_times = None
+        if self._sample_times is not None:  # a second fetch in one step (a step that pulls its batches itself):
+            self._sample_times.finish()  # the times are no one batch's
+            self._sample_times, self._times_spoiled = None, True
         guard = self._guarded
-        if self.state.tuning and self.probe.startup_next and guard is not None and self._sample_times is None:
+        if self.state.tuning and self.probe.startup_next and guard is not None and not self._times_spoiled:
             # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
             # lazily shows apart from the rest, and the step can be judged on its own (`decide.steady_from_the_start`)
             self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)

@@ -74,6 +74,7 @@ class WindowStats:
     startup_wait_s: float = 0.0
     startup_busy_s: float = 0.0
     startup_fetch_cpu_s: float = 0.0  # the start-up step's fetch, on the training process's CPU
+    startup_step_samples: int = 0  # the start-up step's batch size, as every step's is read
     # the start-up step's batch, loaded in the training process sample by sample (`_lightning.time_samples`; 0: not
     # timed): how many samples, the first one's time, and the others' mean time and its standard error. A first
     # sample that opened a file lazily shows apart from the rest (`decide.steady_from_the_start`)
@@ -257,6 +258,7 @@ class _Accumulator:
         self.samples = 0
         self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
         self.startup = self.build = self.startup_wait = self.startup_busy = self.startup_fetch_cpu = 0.0
+        self.startup_step_samples = 0
         self.startup_samples: list[float] = []
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
@@ -331,6 +333,7 @@ class _Accumulator:
             startup_wait_s=self.startup_wait,
             startup_busy_s=self.startup_busy,
             startup_fetch_cpu_s=self.startup_fetch_cpu,
+            startup_step_samples=self.startup_step_samples,
             **_sample_summary(self.startup_samples),
         )
 
@@ -499,7 +502,7 @@ class StepTimer:
             self._window.startup += wait + other
             self._log.add(wait, step, other, samples, self._fetch_cpu)
             self._window.startup_wait, self._window.startup_busy = wait, step + other
-            self._window.startup_fetch_cpu = self._fetch_cpu
+            self._window.startup_fetch_cpu, self._window.startup_step_samples = self._fetch_cpu, samples
             self._first_after_build = False
         elif self._overlap is not None:  # the old config's, while a new loader starts behind it: logged only
             self._overlap[0] += wait + step + other

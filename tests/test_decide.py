@@ -413,12 +413,14 @@ def test_decide(trials, budget, action, expected):
     assert (decision.action, decision.settings) == (action, expected), decision.reason
 
 
-def start_only(samples_ms, busy_ms=7.0, collate_ms=1.0, fetch_cpu_ms=0.0):
-    """A window at 0 workers that has only its start-up step, its batch timed sample by sample."""
+def start_only(samples_ms, busy_ms=7.0, collate_ms=1.0, fetch_cpu_ms=0.0, batch=None):
+    """A window at 0 workers that has only its start-up step, its batch timed sample by sample; ``collate_ms``: what
+    the fetch spent beside its samples; ``batch``: the step's batch size as it is read (default: the samples)."""
     from lightning_dltune._stats import sem
 
     rest = [ms / 1e3 for ms in samples_ms[1:]]
     return WindowStats(
+        startup_step_samples=len(samples_ms) if batch is None else batch,
         startup_wait_s=(sum(samples_ms) + collate_ms) / 1e3,
         startup_busy_s=busy_ms / 1e3,
         startup_fetch_cpu_s=fetch_cpu_ms / 1e3,
@@ -446,6 +448,13 @@ def start_only(samples_ms, busy_ms=7.0, collate_ms=1.0, fetch_cpu_ms=0.0):
             "measure",
             cfg(0),
             id="... but not where the opening was the whole wait (the others take 0.1 ms)",
+        ),
+        pytest.param(
+            start_only([2.0] * 32, busy_ms=20.0, collate_ms=250.0),
+            Budget(cpus=2.0, max_workers=8),
+            "measure",
+            cfg(0),
+            id="the first fetch's own costs (drawing a large epoch's order: 250 ms) are not read as the samples' wait",
         ),
         pytest.param(
             start_only([10.0] * 4),
@@ -479,9 +488,19 @@ def start_only(samples_ms, busy_ms=7.0, collate_ms=1.0, fetch_cpu_ms=0.0):
 )
 def test_a_start_up_step_whose_samples_show_it_steady_is_judged_alone(stats, budget, action, expected):
     judged = steady_from_the_start(stats)
+    if judged is not stats:  # as one steady step, its samples counted as every window counts them
+        assert judged.steps == 1 and judged.samples == stats.startup_step_samples
     decision = decide([Trial(cfg(0), judged)], budget, Policy())
     assert (decision.action, decision.settings) == (action, expected), decision.reason
     assert steady_from_the_start(replace(judged, steps=1)) == replace(judged, steps=1)  # a window with steps: as is
+
+
+def test_a_start_up_step_is_judged_on_the_samples_its_batch_is_read_to_hold():
+    # a batch whose size Lightning cannot read counts 1 sample in every window: the first one too, or the next
+    # windows, compared per sample, would read many times slower than it
+    one = steady_from_the_start(start_only([10.0] * 16, batch=1))
+    assert (one.steps, one.samples) == (1, 1)
+    assert steady_from_the_start(start_only([10.0] * 16, batch=0)).steps == 0  # no count read: not judged alone
 
 
 def test_at_max_workers_a_deeper_prefetch_made_on_the_running_workers_is_tried_short_of_the_mean_too():

@@ -112,6 +112,7 @@ def test_the_start_up_steps_samples_are_summarized_apart_from_the_first(timer_an
     timer.startup_samples([0.05, 0.010, 0.012, 0.008])  # a slow first sample, then three alike
     s = timer.peek_window()
     assert s.steps == 0 and s.startup_samples == 4 and s.startup_first_sample_s == pytest.approx(0.05)
+    assert s.startup_step_samples == 8  # the step's batch size, as every step's is read
     assert s.startup_sample_mean_s == pytest.approx(0.010) and s.startup_sample_sem_s == pytest.approx(0.002 / 3**0.5)
     timer.startup_samples([0.01, 0.01])  # too few to tell the first apart from the rest: none
     assert timer.peek_window().startup_samples == 0
