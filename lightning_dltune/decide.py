@@ -757,12 +757,10 @@ def decide(
     # running workers in place) and is kept only if measurably faster: on an H200 it took 10-11 workers from a
     # 24% GPU stall to 4-6% (benchmarks/gpu.py), and on the bursty benchmark 16 workers from 13.6 to 10.1 ms a
     # step, where settling kept the stall. Short of the mean (a CPU, memory or /dev/shm cap, or max_workers
-    # below the mean's count) the wait is from too few workers, which prefetch does not add. At max_workers the
-    # mean is read as the workers' count times the step they keep up with, which a batch holding up the hand-over
-    # inflates too (the bursty benchmark read 218 ms against the 70 ms a batch costs there, and settled with a 30%
-    # stall where prefetch 4 took it to 9%): where the change is made on the running workers (``in_place``),
-    # restarting nothing and measured like any trial, it is tried there as well.
-    covers_mean = w * est.busy_s >= est.batch_s or in_place
+    # below the mean's count) the wait is from too few workers, which prefetch does not add; so also where the
+    # change would be made on the running workers (a trial there took a window to show nothing on a latency-bound
+    # loader, and delayed settling past a 3-epoch run).
+    covers_mean = w * est.busy_s >= est.batch_s
     if target <= w and can_deepen and (est.needed_workers <= w or (binding.startswith("max_workers") and covers_mean)):
         why = f"{est.needed_workers} needed" if est.needed_workers <= w else f"{binding}; the mean batch needs fewer"
         return try_(
