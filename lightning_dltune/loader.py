@@ -336,9 +336,7 @@ class LoaderSwitcher:
         """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable
-        if self._sample_times is not None:  # timed for the fetch that ended the last epoch: no step's
-            self._sample_times.finish()
-            self._sample_times = None
+        self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
         self._times_spoiled = False
 
     def epoch_ended(self, last_epoch: bool) -> None:
@@ -362,9 +360,9 @@ class LoaderSwitcher:
 
     def batch_done(self) -> None:
         self._fresh, self._times_spoiled = False, False
-        if self._sample_times is not None:  # the start-up step's batch, loaded in the training process
-            timing, self._sample_times = self._sample_times, None
-            self.probe.startup_samples(timing.finish())
+        times = self._stop_timing()  # the start-up step's batch, loaded in the training process
+        if times is not None:
+            self.probe.startup_samples(times)
         if self._growing and self._guarded is not None and self._guarded.position >= self._grown_until:
             self._grown()
 
@@ -380,14 +378,18 @@ class LoaderSwitcher:
             assert self.trainer is not None
             _lightning.wrap_train_iterator(self.trainer, self._guard)
         self.probe.fetch_started()
-        if self._sample_times is not None:  # a second fetch in one step (a step that pulls its batches itself):
-            self._sample_times.finish()  # the times are no one batch's
-            self._sample_times, self._times_spoiled = None, True
+        if self._stop_timing() is not None:  # a second fetch in one step (a step that pulls its batches itself):
+            self._times_spoiled = True  # the times are no one batch's
         guard = self._guarded
         if self.state.tuning and self.probe.startup_next and guard is not None and not self._times_spoiled:
             # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
             # lazily shows apart from the rest, and the step can be judged on its own (`decide.steady_from_the_start`)
             self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
+
+    def _stop_timing(self) -> list[float] | None:
+        """Stop timing samples (see ``_lightning.time_samples``); the times taken, or ``None`` when none was timing."""
+        timing, self._sample_times = self._sample_times, None
+        return None if timing is None else timing.finish()
 
     def _guard(self, loader: Any, inner: Iterator[Any]) -> Iterator[Any]:
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
