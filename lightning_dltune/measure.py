@@ -224,29 +224,13 @@ class WindowStats:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-class _Welford:
-    """A running mean and variance, one value at a time (Welford's method)."""
-
-    __slots__ = ("m2", "mean", "n")
-
-    def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, 0.0, 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
-
-    def sem(self) -> float:
-        """Standard error of the mean (0.0 below two values)."""
-        return math.sqrt(self.m2 / (self.n - 1) / self.n) if self.n > 1 else 0.0
-
-
 class _Accumulator:
-    """Exact sums, running variances of the per-step wall, wait and busy time (Welford), and the most recent
-    waits and walls for quantiles and for the standard errors of their means, taken over blocks of steps and
-    widened for the few steps or blocks they come from (:mod:`lightning_dltune._stats`)."""
+    """Exact sums, the running variance of the per-step busy time, and the most recent waits and walls for quantiles
+    and for the standard errors of their means, taken over blocks of steps and widened for the few steps or blocks
+    they come from (:mod:`lightning_dltune._stats`).
+
+    :meth:`add` runs at every step, inside the training loop, among Lightning's and the model's own work: it is
+    written flat (no calls), since each call there costs several times what it costs in a tight loop."""
 
     def __init__(self, tail_size: int, spread: bool = True) -> None:
         self.tail_size = tail_size
@@ -263,7 +247,9 @@ class _Accumulator:
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
         self._largest = 0  # the largest batch of the window: the least busy time is its (a short last batch's is less)
-        self._wall_var, self._wait_var, self._busy_var = _Welford(), _Welford(), _Welford()
+        # the busy time's sums, shifted by the first step's: a variance without Welford's division at every step,
+        # and as exact, since the steps' spread is small against the shift's distance from 0
+        self._busy_shift = self._busy_d = self._busy_d2 = 0.0
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
 
@@ -278,29 +264,36 @@ class _Accumulator:
         self.fetch_cpu += fetch_cpu
         if not self.spread:  # sums only (a logging window): this runs on every step
             return
-        self.wait_min = min(self.wait_min, wait)
+        busy = step + other
+        if wait < self.wait_min:
+            self.wait_min = wait
         if samples >= self._largest:
-            self.busy_min = step + other if samples > self._largest else min(self.busy_min, step + other)
+            if samples > self._largest or busy < self.busy_min:
+                self.busy_min = busy
             self._largest = samples
-        if samples:
-            self.sample_wall_min = min(self.sample_wall_min, wall / samples)
-        self._wall_var.add(wall)
-        self._wait_var.add(wait)
-        self._busy_var.add(step + other)
+        if samples and wall < self.sample_wall_min * samples:
+            self.sample_wall_min = wall / samples
+        if self.steps == 1:
+            self._busy_shift = busy
+        d = busy - self._busy_shift
+        self._busy_d += d
+        self._busy_d2 += d * d
         self._waits.append(wait)
         self._walls.append(wall)
 
-    def _block_sem(self, recent: deque[float], var: _Welford) -> float:
+    def _block_sem(self, recent: deque[float]) -> float:
         n = min(self.steps, len(recent))  # past the tail's size: over the values it still holds
         if n < 2:
             return 0.0
-        if block_size(n) == 1:
-            return var.sem() * few(self.steps - 1)
+        if block_size(n) == 1:  # a few steps (under 6): the tail holds every one of them
+            return sem(recent) * few(n - 1)
         means = block_means(recent)
         return sem(means) * few(len(means) - 1)
 
     def stats(self) -> WindowStats:
-        busy_sem = self._busy_var.sem() * few(self.steps - 1) if self.steps > 1 else 0.0
+        n = self.steps
+        busy_var = max(0.0, self._busy_d2 - self._busy_d * self._busy_d / n) / (n - 1) if n > 1 else 0.0
+        busy_sem = math.sqrt(busy_var / n) * few(n - 1) if n > 1 else 0.0
         waits = sorted(self._waits)
         trim, trim_sem = trimmed_mean_sem(self._walls)
         busy = [w - x for w, x in zip(self._walls, self._waits, strict=True)]
@@ -315,10 +308,10 @@ class _Accumulator:
             excluded_s=self.excluded,
             wait_p50_s=quantile(waits, 0.5),
             wait_p90_s=quantile(waits, 0.9),
-            wall_sem_s=self._block_sem(self._walls, self._wall_var),
+            wall_sem_s=self._block_sem(self._walls),
             wall_trim_s=trim,
             wall_trim_sem_s=trim_sem,
-            wait_sem_s=self._block_sem(self._waits, self._wait_var),
+            wait_sem_s=self._block_sem(self._waits),
             busy_sem_s=busy_sem,
             busy_trim_s=busy_trim,
             busy_trim_sem_s=busy_trim_sem,

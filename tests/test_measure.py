@@ -1,10 +1,13 @@
 import os
+import random
+import statistics
 import time
 
 import psutil
 import pytest
 import torch
 
+from lightning_dltune._stats import few
 from lightning_dltune.decide import Trial, pick_best
 from lightning_dltune.measure import (
     StepTimer,
@@ -162,6 +165,29 @@ def test_wall_standard_error_is_zero_for_identical_steps_and_positive_otherwise(
     assert timer.take_window().wall_sem_s == pytest.approx(0.0, abs=1e-12)
     run_steps(timer, clock, [(0.01, 0.0, 0.01, 0.0), (0.03, 0.0, 0.01, 0.0)] * 5)
     assert timer.take_window().wall_sem_s > 0.001
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5, 6, 40])
+def test_the_spread_of_a_window_is_the_textbook_one(steps):
+    # the per-step sums are kept flat (no Welford objects): the errors must still be the plain formulas', on a clock
+    # far from 0 (a long run's perf_counter) and for the few-step windows whose wall and wait errors come from the
+    # steps themselves rather than from blocks
+    rng = random.Random(steps)
+    clock = FakeClock()
+    clock.t = 1e6
+    timer = StepTimer(clock=clock, cpu_clock=lambda: clock.cpu)
+    timer.epoch_started()
+    rows = [(rng.uniform(0, 0.02), rng.uniform(0, 0.002), rng.uniform(0.009, 0.011), 0.0) for _ in range(steps)]
+    run_steps(timer, clock, rows)
+    s = timer.take_window()
+    busy = [r[1] + r[2] for r in rows]
+    waits = [r[0] for r in rows]
+    widen = few(steps - 1)
+    assert s.busy_sem_s == pytest.approx(statistics.stdev(busy) / steps**0.5 * widen, rel=1e-6)
+    assert s.busy_min_s == pytest.approx(min(busy), rel=1e-6)
+    assert s.wait_min_s == pytest.approx(min(waits), abs=1e-9)
+    if steps < 6:
+        assert s.wait_sem_s == pytest.approx(statistics.stdev(waits) / steps**0.5 * widen, rel=1e-6)
 
 
 def test_alternating_waits_from_two_workers_are_plainly_a_stall(timer_and_clock):
