@@ -311,8 +311,6 @@ class DataLoaderTuner(Callback):
         self.switcher.epoch_ended(is_last_epoch(trainer))  # after the decision: the reload it asked for, if any
 
     def _over_memory_budget(self) -> bool:
-        if self.probe.memory.latest is None:  # no reading of running workers (at every step at 0 workers)
-            return False
         budget = None if self.budget is None else self.budget.memory_bytes
         local = self.state.switching and not self.agreement.distributed and not self.switcher.waiting_for_epoch_end
         return local and self.probe.over_budget(self.state.current, budget)
