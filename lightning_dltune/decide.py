@@ -385,10 +385,14 @@ def pick_best(trials: Sequence[Trial], policy: Policy = Policy(), memory_limit: 
     start = trials[0]
     if best is start or start not in usable:
         return best
-    # moving away from where the run started needs a measured win beyond noise (never less than `min_gain`)
+    return best if won_over_start(start, best, policy) else start
+
+
+def won_over_start(start: Trial, best: Trial, policy: Policy = Policy()) -> bool:
+    """Whether ``best`` is faster than where the run started beyond noise (never by less than ``min_gain``), by the
+    means or by the sign of every one of the start's steps: what moving away from the start needs."""
     gain, noise = faster_by(start, best)
-    won = gain > max(policy.min_gain * start.compared_sec_per_sample, noise)
-    return best if won or every_step_slower(start, best, policy) else start
+    return gain > max(policy.min_gain * start.compared_sec_per_sample, noise) or every_step_slower(start, best, policy)
 
 
 def every_step_slower(a: Trial, b: Trial, policy: Policy = Policy()) -> bool:
@@ -567,7 +571,8 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy()) -> b
 
 def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     """Whether the last trial's window runs on before it is judged, though it has its steps: against the fastest
-    earlier config, its gain falls short of ``min_gain`` while the gain's noise could still make it one, and it has
+    earlier config, its gain falls short of ``min_gain`` while the gain's noise could still make it one (or, the
+    fastest so far, its win over the start is not yet shown beyond noise: :func:`_win_not_yet_shown`), and it has
     fewer than ``4 * min_steps`` steps. A few slow batches of a bursty loader can make a short window of more
     workers read slower than a long one of fewer (the bursty benchmark: 11 workers over 12 steps at 17.2 ms a step
     against 6 over 35 at 13.4 ms, where 12-16 workers are the best static configs), and "more workers stopped
@@ -580,7 +585,24 @@ def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
         return False
     prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
     gain, noise = faster_by(prev, last)
-    return gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise
+    if gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise:
+        return True
+    return _win_not_yet_shown(trials, policy)
+
+
+def _win_not_yet_shown(trials: Sequence[Trial], policy: Policy) -> bool:
+    """Whether the last trial, the fastest so far, reads faster than the start but not yet beyond noise, where more
+    of its steps could show it: judged now, :func:`pick_best` would go back to the start for good. On a busy host a
+    window with workers is noisy, and a start at 0 workers judged after a few steps is short: one tuner run of the
+    CPU-bound benchmark settled back on 0 workers (7.4 s, where 4 workers take 5.0-5.3 s)."""
+    start, last = trials[0], trials[-1]
+    if start is last or not start.usable or start.settings == last.settings:
+        return False
+    if any(t.usable and t.compared_sec_per_sample < last.compared_sec_per_sample for t in trials[:-1]):
+        return False  # another config is the likelier pick: more of this one's steps would not change it
+    gain, noise = faster_by(start, last)
+    could_win = gain + noise > policy.min_gain * start.compared_sec_per_sample
+    return gain > 0 and could_win and not won_over_start(start, last, policy)
 
 
 def judged_early(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:

@@ -813,6 +813,40 @@ def test_a_window_whose_comparison_is_within_noise_runs_on_up_to_four_times_min_
         assert judged.settings == cfg(6) and "stopped paying" in judged.reason
 
 
+# the CPU-bound start: 3 steps at 0 workers, 23.4 ms each, loading on the training process's CPU
+CPU_START = trial(0, 16.5, 6.9, steps=3, fetch_cpu_ms=16.0, sem_ms=0.3, wait_sem_ms=0.3, min_wall_ms=23.0)
+
+
+@pytest.mark.parametrize(
+    ("history", "still"),
+    [
+        # 2 workers read 17 ms a step, but a busy host made their 8 steps noisy: judged now, the run would go back
+        # to 0 workers for good; more of their steps show the win (or not)
+        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=5.0, wait_sem_ms=5.0)], True, id="win within noise"),
+        # the same reading with little noise: a win, judged now
+        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], False, id="win beyond noise"),
+        # slower than the start beyond noise: nothing a longer window could win
+        pytest.param([trial(2, 18.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], False, id="slower"),
+        # 4 x min_steps steps: judged whatever the noise
+        pytest.param([trial(2, 10.0, 7.0, steps=32, sem_ms=5.0, wait_sem_ms=5.0)], False, id="long enough"),
+        # 4 workers, noisy, after 2 workers that read faster: 2 workers are the likelier pick, the start is not
+        # what 4 workers must beat
+        pytest.param(
+            [trial(2, 9.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3), trial(4, 14.0, 7.0, steps=8, sem_ms=5.0)],
+            False,
+            id="not the fastest",
+        ),
+    ],
+)
+def test_a_window_that_reads_faster_than_the_start_within_noise_runs_on(history, still):
+    from lightning_dltune.decide import pick_best, still_open
+
+    trials = [CPU_START, *history]
+    assert still_open(trials) == still
+    if still:  # judged at its end, the run would have settled back on the start
+        assert pick_best(trials) is CPU_START
+
+
 def test_workers_added_beside_the_running_ones_are_charged_only_their_own_start():
     # 8 workers that stall: more workers are the next move. A restart costs 0.2 s a worker (measured), forking one
     # 0.02 s (its build); 100 steps left
