@@ -216,6 +216,12 @@ def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path, reps:
         },
         "tuner_prefetch": tuner.best_settings["prefetch_factor"],
         "tuner_trials": len(tuner.trials),
+        # the first tuner run's trials as the report has them: a run that settled badly can be read afterwards
+        "tuner_decisions": [
+            f"{t.settings.describe()}: {t.stats.steps} steps, {t.stats.mean_wall_s * 1e3:.1f} ms a step "
+            f"(error {t.stats.wall_sem_s * 1e3:.1f} ms): {t.decision}"
+            for t in tuner.trials
+        ],
         "static_grid": {str(k): v for k, v in static.items()},
     }
 
