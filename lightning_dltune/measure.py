@@ -247,8 +247,8 @@ class _Accumulator:
         self.behind = 0
         self.wait_min = self.sample_wall_min = self.busy_min = math.inf
         self._largest = 0  # the largest batch of the window: the least busy time is its (a short last batch's is less)
-        # the busy time's sums, shifted by the first step's: a variance without Welford's division at every step,
-        # and as exact, since the steps' spread is small against the shift's distance from 0
+        # the busy time's sums, shifted by the first step's: a variance without Welford's division at every step; the
+        # sums are of deviations of the order of the spread, not of the times, so cancellation loses no precision
         self._busy_shift = self._busy_d = self._busy_d2 = 0.0
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
