@@ -571,8 +571,7 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy()) -> b
 
 def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
     """Whether the last trial's window runs on before it is judged, though it has its steps: against the fastest
-    earlier config, its gain falls short of ``min_gain`` while the gain's noise could still make it one (or, the
-    fastest so far, its win over the start is not yet shown beyond noise: :func:`_win_not_yet_shown`), and it has
+    earlier config, its gain falls short of ``min_gain`` while the gain's noise could still make it one, and it has
     fewer than ``4 * min_steps`` steps. A few slow batches of a bursty loader can make a short window of more
     workers read slower than a long one of fewer (the bursty benchmark: 11 workers over 12 steps at 17.2 ms a step
     against 6 over 35 at 13.4 ms, where 12-16 workers are the best static configs), and "more workers stopped
@@ -585,18 +584,21 @@ def still_open(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
         return False
     prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
     gain, noise = faster_by(prev, last)
-    if gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise:
-        return True
-    return _win_not_yet_shown(trials, policy)
+    return gain < policy.min_gain * prev.compared_sec_per_sample <= gain + noise
 
 
-def _win_not_yet_shown(trials: Sequence[Trial], policy: Policy) -> bool:
-    """Whether the last trial, the fastest so far, reads faster than the start but not yet beyond noise, where more
-    of its steps could show it: judged now, :func:`pick_best` would go back to the start for good. On a busy host a
-    window with workers is noisy, and a start at 0 workers judged after a few steps is short: one tuner run of the
-    CPU-bound benchmark settled back on 0 workers (7.4 s, where 4 workers take 5.0-5.3 s)."""
+def win_not_yet_shown(trials: Sequence[Trial], policy: Policy = Policy()) -> bool:
+    """Whether the last trial, the fastest so far and short of ``4 * min_steps`` steps, reads faster than a start at
+    0 workers but not yet beyond noise, where more of its steps could show it. Asked where judging the window now
+    would settle back on that start (``TuningState.undecided``): leaving it needs a win beyond noise
+    (:func:`won_over_start`), and going back is for good. On a busy host a window with workers is noisy, and a start
+    judged after a few steps is short: one tuner run of the CPU-bound benchmark settled back on 0 workers (7.4 s,
+    where 4 workers take 5.0-5.3 s). A start with workers is not gone back to for want of a shown win: the running
+    config stays where it is as fast (:func:`stay_on_running`)."""
     start, last = trials[0], trials[-1]
-    if start is last or not start.usable or start.settings == last.settings:
+    if start is last or not (start.usable and last.usable) or start.settings.num_workers:
+        return False
+    if last.stats.steps >= 4 * policy.min_steps or start.settings == last.settings:
         return False
     if any(t.usable and t.compared_sec_per_sample < last.compared_sec_per_sample for t in trials[:-1]):
         return False  # another config is the likelier pick: more of this one's steps would not change it

@@ -37,6 +37,7 @@ from lightning_dltune.decide import (
     steady_from_the_start,
     still_open,
     verify_cached,
+    win_not_yet_shown,
     worker_memory,
 )
 from lightning_dltune.measure import WindowStats
@@ -99,6 +100,7 @@ class TuningState:
         self.memory_limit: int | None = None  # the most workers the memory budget held (an earlier run's, cached)
         self._cached_entry: dict[str, Any] | None = None
         self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
+        self._budget: Budget | None = None  # the budget the last window was judged under (see undecided)
 
     @property
     def probing_memory(self) -> bool:
@@ -195,11 +197,19 @@ class TuningState:
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
         """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its
         comparison with the fastest earlier config is within its noise (see
-        :func:`~lightning_dltune.decide.still_open`). Only while tuning, and on one process (``distributed``: every
-        rank must close the window at the same step, and this test is rank-local)."""
+        :func:`~lightning_dltune.decide.still_open`), or judged now it would settle back on a start at 0 workers
+        that it reads faster than, not yet beyond noise (:func:`~lightning_dltune.decide.win_not_yet_shown`). Only
+        while tuning, and on one process (``distributed``: every rank must close the window at the same step, and
+        this test is rank-local)."""
         if distributed or self.current is None or not self.tuning or self._probing_memory:
             return False
-        return still_open([*self.trials, Trial(self.current, stats)], self.policy)
+        trials = [*self.trials, Trial(self.current, stats)]
+        if still_open(trials, self.policy):
+            return True
+        if self._budget is None or not win_not_yet_shown(trials, self.policy):
+            return False
+        back = self.decide(stats, self._budget, None)  # (the length left is not known here: holds are not foreseen)
+        return back is not None and back.action == "settle" and back.settings == self.trials[0].settings
 
     def decide(
         self,
@@ -269,6 +279,7 @@ class TuningState:
         """Record the window's trial with ``decision`` and act on it: a new target, settled or held. Returns the
         decision when the loader must change (``"try"``/``"settle"``), else ``None``."""
         assert self.current is not None
+        self._budget = budget
         self._cached_entry = None
         if failed and decision is not None:  # agreed after a failure on some rank: the window mixed configs
             known = self.failed_configs

@@ -818,33 +818,43 @@ CPU_START = trial(0, 16.5, 6.9, steps=3, fetch_cpu_ms=16.0, sem_ms=0.3, wait_sem
 
 
 @pytest.mark.parametrize(
-    ("history", "still"),
+    ("history", "shown"),
     [
-        # 2 workers read 17 ms a step, but a busy host made their 8 steps noisy: judged now, the run would go back
-        # to 0 workers for good; more of their steps show the win (or not)
-        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=5.0, wait_sem_ms=5.0)], True, id="win within noise"),
+        # 2 workers read 17 ms a step, but a busy host made their 8 steps noisy: more of their steps show the win
+        # (or not); judged now, a settle would go back to 0 workers for good
+        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=5.0, wait_sem_ms=5.0)], False, id="win within noise"),
         # the same reading with little noise: a win, judged now
-        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], False, id="win beyond noise"),
+        pytest.param([trial(2, 10.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], True, id="win beyond noise"),
         # slower than the start beyond noise: nothing a longer window could win
-        pytest.param([trial(2, 18.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], False, id="slower"),
+        pytest.param([trial(2, 18.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3)], True, id="slower"),
         # 4 x min_steps steps: judged whatever the noise
-        pytest.param([trial(2, 10.0, 7.0, steps=32, sem_ms=5.0, wait_sem_ms=5.0)], False, id="long enough"),
+        pytest.param([trial(2, 10.0, 7.0, steps=32, sem_ms=5.0, wait_sem_ms=5.0)], True, id="long enough"),
         # 4 workers, noisy, after 2 workers that read faster: 2 workers are the likelier pick, the start is not
         # what 4 workers must beat
         pytest.param(
             [trial(2, 9.0, 7.0, steps=8, sem_ms=0.3, wait_sem_ms=0.3), trial(4, 14.0, 7.0, steps=8, sem_ms=5.0)],
-            False,
+            True,
             id="not the fastest",
         ),
     ],
 )
-def test_a_window_that_reads_faster_than_the_start_within_noise_runs_on(history, still):
-    from lightning_dltune.decide import pick_best, still_open
+def test_a_win_over_a_start_at_0_workers_within_noise_is_not_yet_shown(history, shown):
+    from lightning_dltune.decide import pick_best, win_not_yet_shown
 
     trials = [CPU_START, *history]
-    assert still_open(trials) == still
-    if still:  # judged at its end, the run would have settled back on the start
+    assert win_not_yet_shown(trials) is not shown
+    if not shown:  # judged at its end, the choice would go back to the start
         assert pick_best(trials) is CPU_START
+
+
+def test_a_start_with_workers_is_not_waited_on_for_a_win():
+    from lightning_dltune.decide import win_not_yet_shown
+
+    # the user's 4 workers, then 8 that read faster within noise: settling keeps the running 8 (stay_on_running),
+    # nothing goes back to the start, so nothing is gained by running on
+    history = [trial(4, 3.0, 10, steps=20, sem_ms=0.5, wait_sem_ms=0.5), trial(8, 0.2, 10, steps=8, sem_ms=3.0)]
+    assert not win_not_yet_shown(history)
+    assert decide(history, BUDGET).settings == cfg(8)
 
 
 def test_workers_added_beside_the_running_ones_are_charged_only_their_own_start():

@@ -247,6 +247,33 @@ def test_a_window_is_undecided_only_while_tuning_and_on_one_process():
     assert not state.undecided(noisy(7, 12, 4.0))  # not tuning
 
 
+def test_a_window_runs_on_where_judging_it_would_settle_back_on_a_start_it_may_beat():
+    def window(wait_ms, step_ms, steps, sem_ms, cpu_ms=0.0):
+        s = replace(stats(wait_ms, step_ms, steps), wall_sem_s=sem_ms / 1e3, wait_sem_s=sem_ms / 1e3)
+        return replace(s, fetch_cpu_s=cpu_ms * steps / 1e3)
+
+    two = LoaderSettings.normalized(2)
+    # loading on the training process's CPU at 0 workers, 3 steps of 17 ms; then 2 workers, no longer stalled, at
+    # 12.3 ms a step but noisy (a busy host): judged now, the run settles back on 0 workers, having shown no win
+    state = started()
+    judge(state, window(10.0, 7.0, 3, 0.1, cpu_ms=10.0))
+    state.current = two
+    noisy = window(0.3, 12.0, 8, 4.0)
+    back = state.decide(noisy, BUDGET, None)
+    assert (back.action, back.settings) == ("settle", ZERO), back.reason
+    assert state.undecided(noisy)  # so it runs on (up to 4 x min_steps steps)
+    assert not state.undecided(window(0.3, 12.0, 8, 0.2))  # little noise: a win, judged
+    assert not state.undecided(window(0.3, 12.0, 32, 4.0))  # long enough: judged whatever the noise
+
+    # 0 workers, then 2 that still stall, faster within noise: the next move is more workers, not back
+    state = started()
+    judge(state, window(30.0, 10.0, 3, 1.0))
+    state.current = two
+    stalled = window(15.0, 10.0, 8, 8.0)
+    assert state.decide(stalled, BUDGET, None).action == "try"
+    assert not state.undecided(stalled)
+
+
 def test_a_long_epoch_or_in_epoch_mode_switches_inside_epochs_only_while_tuning():
     plan = WindowPlan(mode="auto", window_steps=20, min_steps=8)
     plan.epoch_started(resumable=True, tuning=True, epoch_batches=160)
