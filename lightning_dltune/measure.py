@@ -361,7 +361,7 @@ class StepTimer:
         clock: wall clock in seconds (default :func:`time.perf_counter`).
         cpu_clock: CPU time of the calling thread in seconds (default :func:`time.thread_time`); it prices the
             loading work done in the main process when there are no workers.
-        tail_size: how many recent per-step waits feed the p50/p90 estimates.
+        tail_size: how many recent per-step waits feed the p50/p90 estimates (6 or more).
     """
 
     def __init__(
@@ -370,6 +370,8 @@ class StepTimer:
         cpu_clock: Clock = time.thread_time,
         tail_size: int = _TAIL_SIZE,
     ) -> None:
+        if tail_size < 6:  # a window's first steps are its errors' own values (see _Accumulator._block_sem)
+            raise ValueError(f"StepTimer(tail_size={tail_size}): it must be 6 or more; leave it at its default")
         self._clock = clock
         self._cpu_clock = cpu_clock
         self._window = _Accumulator(tail_size)

@@ -190,6 +190,11 @@ def test_the_spread_of_a_window_is_the_textbook_one(steps):
         assert s.wait_sem_s == pytest.approx(statistics.stdev(waits) / steps**0.5 * widen, rel=1e-6)
 
 
+def test_a_tail_too_short_for_a_few_step_window_is_refused():
+    with pytest.raises(ValueError, match=r"tail_size=5\): it must be 6 or more"):
+        StepTimer(tail_size=5)
+
+
 def test_alternating_waits_from_two_workers_are_plainly_a_stall(timer_and_clock):
     # two workers deliver their batches in turn: the waits alternate between none and a long one. Step by
     # step they look like noise as large as the mean; over blocks of consecutive steps they are steady
