@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from lightning_dltune._stats import block_means, block_size, few, sem, trimmed_mean_sem
+from lightning_dltune._stats import block_means, few, sem, trimmed_mean_sem
 from lightning_dltune.gpu import GpuStats
 from lightning_dltune.memory import WorkerMemory
 
@@ -271,7 +271,7 @@ class _Accumulator:
             if samples > self._largest or busy < self.busy_min:
                 self.busy_min = busy
             self._largest = samples
-        if samples and wall < self.sample_wall_min * samples:
+        if samples and wall / samples < self.sample_wall_min:
             self.sample_wall_min = wall / samples
         if self.steps == 1:
             self._busy_shift = busy
@@ -285,9 +285,7 @@ class _Accumulator:
         n = min(self.steps, len(recent))  # past the tail's size: over the values it still holds
         if n < 2:
             return 0.0
-        if block_size(n) == 1:  # a few steps (under 6): the tail holds every one of them
-            return sem(recent) * few(n - 1)
-        means = block_means(recent)
+        means = block_means(recent)  # under 6 steps, blocks of 1: the steps themselves
         return sem(means) * few(len(means) - 1)
 
     def stats(self) -> WindowStats:
