@@ -132,7 +132,9 @@ class Seamless:
             )
         else:
             sampler.seamless = False
-        if why is None:
+        if why is None or loader.num_workers == 0:
+            # at 0 workers nothing is carried, but each epoch's new iterator still draws a base seed: apart from the
+            # user's random state where a run without the tuner would not (its loader's persistent workers)
             self._serve(loader, self._take, self.draws_base)
 
     def draws_base(self) -> bool:
