@@ -97,6 +97,7 @@ class LoaderSwitcher:
         self.restored_loader: LoaderSettings | None = None  # the running loader's, in a checkpoint (its state's)
         self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
         self._reload = False  # reload the train loader when the epoch ends
+        self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
         self.seamless = Seamless(
             seamless,
             epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
@@ -105,11 +106,12 @@ class LoaderSwitcher:
             release=_lightning.release_iterator,
             shutdown=_lightning.shutdown_unless_held,
             goes_on=lambda ahead: self.trainer is None or fit_goes_on(self.trainer, ahead),
+            first_epoch=self._fit_first_epoch,
         )
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
-        self.trainer = trainer
+        self.trainer, self._first_epoch = trainer, None
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
@@ -332,8 +334,21 @@ class LoaderSwitcher:
         target = self.state.target
         return not self.resumable and target is not None and target != self.state.current
 
+    def _fit_first_epoch(self) -> int:
+        """The first epoch this ``fit`` trains: the running one until an epoch started or a batch was fetched (a fit
+        resumed from the end of epoch k asks for its loader while ``current_epoch`` still says k; one resumed in
+        the middle of an epoch starts no epoch)."""
+        if self._first_epoch is not None:
+            return self._first_epoch
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def _train_began(self) -> None:
+        if self._first_epoch is None and self.trainer is not None:
+            self._first_epoch = self.trainer.current_epoch
+
     def epoch_started(self) -> None:
         """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
+        self._train_began()
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable
         self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
@@ -373,6 +388,8 @@ class LoaderSwitcher:
 
     def _before_fetch(self) -> None:
         self._rng_before_build = None  # only an epoch start right after a build may rewind to it
+        if self._first_epoch is None:  # a fit resumed mid-epoch starts no epoch
+            self._train_began()
         if self._guard_needed:
             self._guard_needed = False
             assert self.trainer is not None
@@ -520,12 +537,18 @@ class LoaderSwitcher:
         A persistent iterator that is reset instead of recreated skips the base-seed draw a new iterator makes:
         make it, if the user's own loader would have. With seamless epochs on, a new iterator is not reset (see
         ``_lightning.keeps_fresh_iterator``) and drew only what this epoch draws (``Seamless.draws_base``): its
-        draws stand.
+        draws stand. In the first epoch of a ``fit`` (a resumed one's too) the user's loader is created as the tuner's
+        is, and both are iterated twice (``setup_data`` and the epoch loop): what the tuner's drew stands.
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
         loader = trainer.train_dataloader if trainer is not None else None
-        if trainer is None or trainer.current_epoch == 0 or start is None or not isinstance(loader, DataLoader):
+        if (
+            trainer is None
+            or trainer.current_epoch == self._fit_first_epoch()
+            or start is None
+            or not isinstance(loader, DataLoader)
+        ):
             return
         if _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it: its draws are final
             return

@@ -8,6 +8,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, run
 from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
@@ -344,9 +345,41 @@ def test_a_switch_to_0_workers_from_a_loader_changed_in_place_builds_a_new_loade
 
 
 def test_after_a_switch_from_the_users_workers_to_0_the_next_epoch_keeps_the_untuned_order(tmp_path):
-    # the user's persistent workers draw no base seed after the first epoch; a new 0-worker iterator each epoch would
+    # the user's persistent workers draw no base seed after the first epoch, where a new 0-worker iterator would
     _, tuned, reference = switch_to_0(tmp_path)
     assert tuned[1] == reference[1]
+
+
+def fit_to(root, tuner, epochs, extra=(), ckpt_path=None):
+    """Each epoch's indices of a fit of the users' 2 persistent workers that checkpoints at each epoch's end."""
+    pl.seed_everything(7, workers=True)
+    record, ckpt = EpochIndices(), ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1)
+    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=2.0), batch_size=8, num_workers=2)
+    callbacks = [tuner, record, ckpt, *extra]
+    trainer = make_trainer(root, callbacks, max_epochs=epochs, logger=False, enable_checkpointing=True)
+    trainer.fit(SimulatedModel(step_ms=1), datamodule=dm, ckpt_path=ckpt_path)
+    return record.epochs, trainer
+
+
+def test_a_fit_resumed_on_0_workers_from_the_users_persistent_ones_trains_the_untuned_order(tmp_path):
+    # the resumed fit's first epoch creates its loader's iterator, as the untuned resumed fit does: it draws a base seed
+    # cache off: the resumed fit must go on from its checkpoint, not from the cache the first fit filled
+    observing = lambda: DataLoaderTuner(observe_only=True, cache=False)  # noqa: E731
+    fit_to(tmp_path / "a", observing(), epochs=2)
+    reference, _ = fit_to(tmp_path / "r", observing(), epochs=3, ckpt_path=tmp_path / "a/ckpt/last.ckpt")
+    fit_to(tmp_path / "p", pl.Callback(), epochs=2)  # and without the tuner at all (its loader is served: seamless)
+    assert fit_to(tmp_path / "q", pl.Callback(), epochs=3, ckpt_path=tmp_path / "p/ckpt/last.ckpt")[0] == reference
+    tuner = DataLoaderTuner(max_trials=1, cache=False)  # max_trials=1: only this change is made
+
+    def settle_on_0(current):
+        tuner.state.best_settings = LoaderSettings().to_loader_kwargs()  # as a settle decision records it
+        return LoaderSettings()
+
+    fit_to(tmp_path / "b", tuner, 2, [ChangeAt(tuner, at=59, change=settle_on_0, now=False)])
+    assert tuner.state.current.num_workers == 0
+    tuned, trainer = fit_to(tmp_path / "c", DataLoaderTuner(cache=False), 3, ckpt_path=tmp_path / "b/ckpt/last.ckpt")
+    assert trainer.train_dataloader.num_workers == 0  # resumed on the tuner's settings
+    assert len(tuned) == len(reference) == 1 and tuned == reference
 
 
 def test_a_switch_from_the_users_workers_to_0_between_epochs_keeps_every_later_epochs_untuned_order(tmp_path):
