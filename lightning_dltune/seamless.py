@@ -56,7 +56,8 @@ class Seamless:
         first_epoch: the epoch the running ``fit`` began in (above 0 when it resumed from a checkpoint): a run without
             the tuner creates its loader's iterator then, persistent or not.
         serve: ``serve(loader, take, draws_base)`` makes ``iter(loader)`` start from ``take(loader)`` when that
-            returns an iterator, and a new iterator draw its base seed only when ``draws_base()``;
+            returns an iterator, and a new iterator draw its base seed only when ``draws_base()`` (a loader at 0
+            workers is served too, whatever ``setting``: it carries nothing, but creates an iterator every epoch);
             ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)`` stops
             an iterator's workers unless the loader holds it (the loader switcher passes
             ``lightning_dltune._lightning``'s).
