@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,6 +44,18 @@ __all__ = [
     "shutdown_workers",
 ]
 OnFailure = Callable[[str, str], "LoaderSettings | None"]
+
+
+@dataclass(frozen=True)
+class _Untuned:
+    """What a run without the tuner does with its loader in an epoch: ``asked``, it asks Lightning's hook for it and
+    iterates it there as the tuner's loader is; ``draws_base``, it creates an iterator, drawing a base seed."""
+
+    asked: bool = False
+    draws_base: bool = False
+
+
+_NOT_ASKED = _Untuned()
 
 
 class LoaderSwitcher:
@@ -98,6 +111,13 @@ class LoaderSwitcher:
         self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
         self._reload = False  # reload the train loader when the epoch ends
         self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
+        # what a run without the tuner does with its loader (see `_as_untuned`): for the loader asked for since the
+        # running epoch began (None: none was), and for the running epoch's; the user's last loader object; whether
+        # the tuner asked for the latest reload
+        self._untuned_next: _Untuned | None = None
+        self._untuned_now = _NOT_ASKED
+        self._user_loader: weakref.ref[DataLoader] | None = None
+        self._asked_reload = False
         self.seamless = Seamless(
             seamless,
             epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
@@ -106,12 +126,14 @@ class LoaderSwitcher:
             release=_lightning.release_iterator,
             shutdown=_lightning.shutdown_unless_held,
             goes_on=lambda ahead: self.trainer is None or fit_goes_on(self.trainer, ahead),
-            first_epoch=self._fit_first_epoch,
+            fresh=lambda: (self._untuned_next or self._untuned_now).draws_base,
         )
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
-        self.trainer, self._first_epoch = trainer, None
+        self.trainer, self._first_epoch, self._user_loader = trainer, None, None
+        self._untuned_next, self._untuned_now = None, _NOT_ASKED
+        self._asked_reload = False
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
@@ -143,6 +165,7 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
+        self._untuned_next = self._as_untuned(loader)
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
         if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self.tune_iterable:
@@ -334,17 +357,29 @@ class LoaderSwitcher:
         target = self.state.target
         return not self.resumable and target is not None and target != self.state.current
 
-    def _fit_first_epoch(self) -> int:
-        """The first epoch this ``fit`` trains: the running one until an epoch started or a batch was fetched (a fit
-        resumed from the end of epoch k asks for its loader while ``current_epoch`` still says k; one resumed in
-        the middle of an epoch starts no epoch)."""
-        if self._first_epoch is not None:
-            return self._first_epoch
-        return self.trainer.current_epoch if self.trainer is not None else 0
+    def _as_untuned(self, loader: DataLoader) -> _Untuned:
+        """What a run without the tuner does with the user's ``loader`` (just returned by the user's hook) in the
+        epoch it is asked for. Where Lightning asked for it on its own (the first epoch of the ``fit``, a resumed
+        one's too, or its ``reload_dataloaders_every_n_epochs``), that run asks for it too and iterates it as the
+        tuner's is; a new object (or the fit's first) creates an iterator, drawing a base seed. Where only the tuner
+        asked for the reload, that run would have gone on with its iterator."""
+        last, self._user_loader = self._user_loader, weakref.ref(loader)
+        asked, self._asked_reload = self._asked_reload, False
+        if self._first_epoch is None or self.trainer is None:  # nothing trained yet in this fit
+            return _Untuned(asked=True, draws_base=True)
+        every = int(getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
+        scheduled = every > 0 and (self.trainer.current_epoch - self._first_epoch) % every == 0
+        if asked and not scheduled:
+            return _NOT_ASKED
+        return _Untuned(asked=True, draws_base=last is None or last() is not loader)
 
     def _train_began(self) -> None:
+        """The first batches of an epoch are about to be fetched: the loader asked for before is its loader (a fit
+        resumed from the end of epoch k asks for its loader while ``current_epoch`` still says k; one resumed in the
+        middle of an epoch starts no epoch, and this runs at its first fetch)."""
         if self._first_epoch is None and self.trainer is not None:
             self._first_epoch = self.trainer.current_epoch
+        self._untuned_now, self._untuned_next = self._untuned_next or _NOT_ASKED, None
 
     def epoch_started(self) -> None:
         """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
@@ -370,6 +405,7 @@ class LoaderSwitcher:
             self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
         if self._reload and not last_epoch:
             assert self.trainer is not None
+            self._asked_reload = True
             _lightning.request_train_reload(self.trainer)
         self._reload = False
 
@@ -537,17 +573,18 @@ class LoaderSwitcher:
         A persistent iterator that is reset instead of recreated skips the base-seed draw a new iterator makes:
         make it, if the user's own loader would have. With seamless epochs on, a new iterator is not reset (see
         ``_lightning.keeps_fresh_iterator``) and drew only what this epoch draws (``Seamless.draws_base``): its
-        draws stand. In the first epoch of a ``fit`` (a resumed one's too) the user's loader is created as the tuner's
-        is, and both are iterated twice (``setup_data`` and the epoch loop): what the tuner's drew stands.
+        draws stand. In the first epoch of a ``fit`` (a resumed one's too), and in an epoch where Lightning reloads the
+        loader on its own (see :meth:`_as_untuned`) while it runs on the user's settings (observing, or settled back on
+        them), the user's loader is asked for and iterated as the tuner's is: what the tuner's drew stands. (Such a
+        reload of a loader on other settings does not keep the untuned order yet: README, "Switching inside an epoch".)
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
         loader = trainer.train_dataloader if trainer is not None else None
-        if (
-            trainer is None
-            or trainer.current_epoch == self._fit_first_epoch()
-            or start is None
-            or not isinstance(loader, DataLoader)
+        if trainer is None or start is None or not isinstance(loader, DataLoader):
+            return
+        if self._untuned_now.asked and (
+            self._first_epoch == trainer.current_epoch or LoaderSettings.from_loader(loader) == start
         ):
             return
         if _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it: its draws are final

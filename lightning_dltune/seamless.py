@@ -53,8 +53,8 @@ class Seamless:
         epoch: the running epoch (``trainer.current_epoch``).
         base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
             persistent), drawing a base seed from the loader's generator.
-        first_epoch: the epoch the running ``fit`` began in (above 0 when it resumed from a checkpoint): a run without
-            the tuner creates its loader's iterator then, persistent or not.
+        fresh: whether a run without the tuner creates its loader's iterator in this epoch, persistent or not: the
+            first epoch of its ``fit`` (a resumed one's too), or one that reloads the loader as a new object.
         serve: ``serve(loader, take, draws_base)`` makes ``iter(loader)`` start from ``take(loader)`` when that
             returns an iterator, and a new iterator draw its base seed only when ``draws_base()`` (a loader at 0
             workers is served too, whatever ``setting``: it carries nothing, but creates an iterator every epoch);
@@ -77,10 +77,10 @@ class Seamless:
         release: Callable[[DataLoader], None] = lambda loader: None,
         shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
         goes_on: Callable[[int], bool] = lambda ahead: True,
-        first_epoch: Callable[[], int] = lambda: 0,
+        fresh: Callable[[], bool] = lambda: False,
     ) -> None:
         self.setting = setting
-        self.epoch, self.base_draws, self.first_epoch = epoch, base_draws, first_epoch
+        self.epoch, self.base_draws, self.fresh = epoch, base_draws, fresh
         self._serve, self._release, self._shutdown, self._goes_on = serve, release, shutdown, goes_on
         self._carry: tuple[DataLoader, Iterator[Any]] | None = None
         # the generators' states before each epoch's order was drawn ahead, by epoch: what a drop puts back
@@ -143,12 +143,12 @@ class Seamless:
 
     def draws_base(self) -> bool:
         """Whether a new iterator of the loader draws its workers' base seed from the user's random state now: a
-        run without the tuner creates an iterator, drawing one, in the first epoch of its ``fit`` and, unless its
-        loader is persistent, in every epoch."""
+        run without the tuner creates an iterator, drawing one, in its first epoch, in an epoch that reloads its
+        loader as a new object (``fresh``) and, unless its loader is persistent, in every epoch."""
         if self._base_drawn:  # once: see _take
             self._base_drawn = False
             return False
-        return self.epoch() == self.first_epoch() or self.base_draws()
+        return self.epoch() == 0 or self.fresh() or self.base_draws()
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
         sampler: Any = batches.sampler

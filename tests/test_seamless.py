@@ -258,3 +258,36 @@ def test_a_switch_inside_an_epoch_leaves_the_generator_as_a_run_without_it(at):
         if loader._iterator is not None:
             loader._iterator._shutdown_workers()
     guard.inner._shutdown_workers()
+
+
+class HookModel(Dropout):
+    """Returns its train loader from its own hook: a new ``DataLoader`` at every call, or the same one."""
+
+    def __init__(self, new_each, **loader):
+        super().__init__(step_ms=5.0)
+        self.dataset, self.loader = SyntheticDataset(320, latency_ms=5.0), loader
+        self.new_each, self.dl = new_each, None
+
+    def train_dataloader(self):
+        if self.dl is None or self.new_each:
+            self.dl = DataLoader(self.dataset, batch_size=16, shuffle=True, **self.loader)
+        return self.dl
+
+
+@pytest.mark.parametrize("workers", [0, 2])  # persistent with 2
+@pytest.mark.parametrize("new_each", [True, False])
+def test_observing_a_loader_lightning_reloads_every_epoch_trains_what_a_run_without_the_tuner_trains(
+    tmp_path, workers, new_each
+):
+    # Lightning asks the hook again at every epoch and iterates the loader twice (`setup_data` and the epoch loop), as
+    # it does for the tuner's: what the tuner's loader draws then stands (it was rewound, and the order changed)
+    loader = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+    runs = []
+    for callbacks in ([], [DataLoaderTuner(observe_only=True)]):
+        pl.seed_everything(0)
+        record = Epochs()
+        reload = {"reload_dataloaders_every_n_epochs": 1}
+        trainer = make_trainer(tmp_path / str(len(runs)), [*callbacks, record], max_epochs=4, logger=False, **reload)
+        trainer.fit(HookModel(new_each, **loader))
+        runs.append(record.epochs)
+    assert runs[0] == runs[1]
