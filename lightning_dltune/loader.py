@@ -574,9 +574,9 @@ class LoaderSwitcher:
         make it, if the user's own loader would have. With seamless epochs on, a new iterator is not reset (see
         ``_lightning.keeps_fresh_iterator``) and drew only what this epoch draws (``Seamless.draws_base``): its
         draws stand. In the first epoch of a ``fit`` (a resumed one's too), and in an epoch where Lightning reloads the
-        loader on its own (see :meth:`_as_untuned`) while it runs on the user's settings (observing, or settled back on
-        them), the user's loader is asked for and iterated as the tuner's is: what the tuner's drew stands. (Such a
-        reload of a loader on other settings does not keep the untuned order yet: README, "Switching inside an epoch".)
+        loader on its own (see :meth:`_as_untuned`) while it runs on the user's settings (tested observing), the user's
+        loader is asked for and iterated as the tuner's is: what the tuner's drew stands. (Such a reload while tuning
+        does not keep the untuned order yet: README, "Switching inside an epoch".)
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
