@@ -364,12 +364,12 @@ class LoaderSwitcher:
         tuner's is; a new object (or the fit's first) creates an iterator, drawing a base seed. Where only the tuner
         asked for the reload, that run would have gone on with its iterator."""
         last, self._user_loader = self._user_loader, weakref.ref(loader)
-        asked, self._asked_reload = self._asked_reload, False
+        ours, self._asked_reload = self._asked_reload, False  # the tuner asked for this reload
         if self._first_epoch is None or self.trainer is None:  # nothing trained yet in this fit
             return _Untuned(asked=True, draws_base=True)
         every = int(getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
         scheduled = every > 0 and (self.trainer.current_epoch - self._first_epoch) % every == 0
-        if asked and not scheduled:
+        if ours and not scheduled:
             return _NOT_ASKED
         return _Untuned(asked=True, draws_base=last is None or last() is not loader)
 

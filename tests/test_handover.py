@@ -362,8 +362,9 @@ def fit_to(root, tuner, epochs, extra=(), ckpt_path=None):
 
 
 def test_a_fit_resumed_on_0_workers_from_the_users_persistent_ones_trains_the_untuned_order(tmp_path):
-    # the resumed fit's first epoch creates its loader's iterator, as the untuned resumed fit does: it draws a base seed
-    # cache off: the resumed fit must go on from its checkpoint, not from the cache the first fit filled
+    # the resumed fit's first epoch creates its loader's iterator, as the untuned resumed fit does: it draws a base
+    # seed. Every tuner here has its cache off: a resumed fit must go on from its checkpoint, not from the cache the
+    # fit before it filled (a resume with the default cache: tests/test_loader_libraries.py)
     observing = lambda: DataLoaderTuner(observe_only=True, cache=False)  # noqa: E731
     fit_to(tmp_path / "a", observing(), epochs=2)
     reference, _ = fit_to(tmp_path / "r", observing(), epochs=3, ckpt_path=tmp_path / "a/ckpt/last.ckpt")
@@ -377,7 +378,8 @@ def test_a_fit_resumed_on_0_workers_from_the_users_persistent_ones_trains_the_un
 
     fit_to(tmp_path / "b", tuner, 2, [ChangeAt(tuner, at=59, change=settle_on_0, now=False)])
     assert tuner.state.current.num_workers == 0
-    tuned, trainer = fit_to(tmp_path / "c", DataLoaderTuner(cache=False), 3, ckpt_path=tmp_path / "b/ckpt/last.ckpt")
+    resumed = DataLoaderTuner(cache=False)  # cache off: see above (the checkpoint, not the cache, says 0 workers)
+    tuned, trainer = fit_to(tmp_path / "c", resumed, 3, ckpt_path=tmp_path / "b/ckpt/last.ckpt")
     assert trainer.train_dataloader.num_workers == 0  # resumed on the tuner's settings
     assert len(tuned) == len(reference) == 1 and tuned == reference
 
