@@ -723,6 +723,9 @@ def decide(
     cur = last.settings
     tried = {t.settings for t in trials}
     w = cur.num_workers
+    outgrown = _outgrown(est, cur, budget)
+    if outgrown is not None:
+        return outgrown
     hand = handover_s(trials, policy) if w == 0 else 0.0
     hideable = max(0.0, stall - hand / last.stats.mean_wall_s)  # workers hand each batch over in the step's time
     if w == 0 and hideable <= policy.stall_threshold:
@@ -859,6 +862,25 @@ def _slowest(est: Estimate) -> str:
     if est.batch_tail_s <= 1.1 * est.batch_s:
         return ""
     return f" (one in ten {est.batch_tail_s * 1e3:.1f} ms or more)"
+
+
+def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | None:
+    """Where the running workers are predicted to outgrow the memory budget before the end of their life (their
+    copy-on-read growth, measured): settle at once on the most workers predicted to fit, rather than on these and
+    wait for the check at each step to see the overrun (which comes between two readings of the workers)."""
+    cap, workers = est.mem_cap_workers, cur.num_workers
+    if cap is None or cap >= workers or not est.mem_measured or budget.memory_bytes is None:
+        return None
+    mem = est.memory
+    per = memory.worker_bytes(mem, workers, est.mem_life_batches, est.mem_ceiling_bytes or None)
+    grows = f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads" if mem.growth_bytes > 0 else ""
+    return Decision(
+        "settle",
+        cur.with_workers(cap),
+        f"{workers} workers are predicted to outgrow the {budget.memory_bytes / MiB:.0f} MiB memory budget: "
+        f"{per / MiB:.0f} MiB each by the end of an epoch{grows}; {cap} fit",
+        est,
+    )
 
 
 def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: int) -> int | None:

@@ -1,6 +1,7 @@
 """The memory model (pure) and the watch that feeds it: prior, measured, growing, over budget."""
 
 import math
+import time
 
 import pytest
 from test_decide import cfg, trial, with_mem
@@ -163,6 +164,22 @@ def test_over_budget_after_settling_settles_lower():
     assert state.decide(with_mem(trial(4, 1, 10), 100, main_mib=250).stats, MEM, None) is None  # within budget
 
 
+def test_running_workers_predicted_to_outgrow_the_budget_settle_on_fewer_before_they_do():
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    # 4 workers measured at 20 MiB each, growing 1 MiB per batch: by the end of a 200-batch epoch they hold
+    # 4 * 20 + 200 = 280 MiB of a 270 MiB budget, 3 of them 260 MiB. They still wait (more would be wanted)
+    four = with_mem(trial(4, 20, 10), 20, growth_mib=1.0, main_mib=250, epoch=200)
+    budget = Budget(cpus=2, max_workers=64, memory_bytes=270 * MiB)
+    decision = decide([start, four], budget, Policy())
+    assert decision.action == "settle" and decision.settings == cfg(3), decision.reason
+    assert "4 workers are predicted to outgrow the 270 MiB memory budget" in decision.reason
+    assert not decision.failed  # nothing went over: 4 workers stay allowed on a later, shorter epoch
+    roomy = Budget(cpus=2, max_workers=64, memory_bytes=280 * MiB)
+    assert decide([start, four], roomy, Policy()).settings.num_workers >= 4  # exactly fits: not outgrown
+    unmeasured = with_mem(trial(4, 20, 10), 0, main_mib=250, epoch=200)  # no reading of the workers yet
+    assert decide([start, unmeasured], budget, Policy()).settings.num_workers >= 4
+
+
 # --- the watch -------------------------------------------------------------------------------------------
 def test_the_watch_counts_batches_per_worker_set_and_windows_apart():
     pids = [11, 12]
@@ -209,20 +226,76 @@ def test_a_few_workers_read_stand_for_all_and_a_window_closing_without_a_reading
     assert watch.take(fresh=False).samples == 1 and read[-1] == [1, 2]
 
 
+def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_batch_taken():
+    from lightning_dltune.probe import Probe
+
+    pids, sizes = [11, 12], {11: 10 * MiB, 12: 10 * MiB}
+    probe = Probe(worker_pids=lambda: pids, memory_of=lambda ps: [sizes[p] for p in ps], footprint=lambda: 40 * MiB)
+    watch, settings = probe.memory, cfg(2)
+    assert probe.held_bytes(settings) == 0 and not probe.over_budget(settings, 1)  # nothing read yet
+    for _ in range(3):  # a window whose readings grow 1 MiB per batch taken (0.5 MiB per worker)
+        watch.sample()
+        for _ in range(4):
+            watch.batch_taken()
+        sizes[11] += 2 * MiB
+        sizes[12] += 2 * MiB
+    probe.close()  # fits the growth (1 MiB per batch, all workers together) and reads the process's footprint
+    assert watch.growth_bytes == pytest.approx(1 * MiB) and watch.ceiling_bytes == 40 * MiB
+    watch.sample()  # the next window's reading: 2 x 16 MiB
+    assert probe.held_bytes(settings) == pytest.approx(32 * MiB)
+    for _ in range(10):  # 10 batches later, not read again: 10 MiB more is counted
+        watch.batch_taken()
+    assert probe.held_bytes(settings) == pytest.approx(42 * MiB)
+    assert probe.over_budget(settings, 41 * MiB) and not probe.over_budget(settings, 43 * MiB)
+    assert watch.pressure == pytest.approx(42 / 43)  # what the readings' pace follows
+    for _ in range(100):  # no worker grows past what the training process holds (40 MiB each)
+        watch.batch_taken()
+    assert probe.held_bytes(settings) == pytest.approx(80 * MiB)
+
+
+def test_a_new_window_is_read_at_once_however_far_the_workers_are_from_the_budget():
+    pids = [11]
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [10 * MiB for _ in ps])
+    watch._read_s = 1.0  # a slow reading, far from the budget: the thread would wait 50 s (2% of a CPU)
+    watch.start()
+    try:
+        watch.take()
+        deadline = time.monotonic() + 10
+        while watch.latest is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.latest is not None and watch.latest.total_bytes == 10 * MiB
+    finally:
+        watch.stop()
+
+
 def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():
     from lightning_dltune.probe import CPU_SHARE_FAR, CPU_SHARE_NEAR, MemoryWatch
 
-    watch = MemoryWatch(interval_s=0.25)
+    sizes, t = [100 * MiB], [0.0]
+    watch = MemoryWatch(lambda: [11], read=lambda ps: list(sizes), clock=lambda: t[0], interval_s=0.25)
     watch._read_s = 0.1  # reading 16 torch workers' page tables takes about this much CPU
-    watch.pressure = 0.3
+    watch.pressure, watch.budget_bytes = 0.3, 400 * MiB
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # not read twice: its growth is unknown
+    watch.sample()
+    t[0] += 1.0
+    watch.sample()  # read twice, not growing
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_FAR)  # 5 s: 2% of a CPU
     watch.pressure = 0.8
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # 1 s: 10% of a CPU
     watch.pressure = 0.3
     watch.measuring = True  # a window there to fit the workers' growth reads at the larger share
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)
+    watch.measuring = False
+    t[0] += 1.0
+    sizes[0] = 120 * MiB  # 10 MiB a second over its three readings, 280 MiB from the budget: read again in 5 s
+    watch.sample()
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_FAR)
+    watch.budget_bytes = 180 * MiB  # 60 MiB from it: 6 s to go, read again in half of that
+    assert watch.next_interval() == pytest.approx(3.0)
+    watch.budget_bytes = 130 * MiB  # 1 s to go: never more often than 10% of a CPU
+    assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)
     watch._read_s = 0.005
-    assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s
+    assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s at most
 
 
 @pytest.mark.parametrize(
