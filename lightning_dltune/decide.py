@@ -683,6 +683,11 @@ def decide(
     budget_spent = len(trials) >= policy.max_trials
 
     def settle(reason: str, est: Estimate | None = None) -> Decision:
+        # never on workers predicted to outgrow the memory budget (whatever made the tuner settle)
+        if budget.memory_bytes is not None and best.settings.num_workers > 0 and _memory_measured(trials):
+            outgrown = _outgrown(est or estimate(trials, budget, policy), best.settings, budget)
+            if outgrown is not None:
+                return outgrown
         # before settling, see whether pinned memory would shorten the copies the GPU waits for
         pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
         gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
@@ -864,10 +869,14 @@ def _slowest(est: Estimate) -> str:
     return f" (one in ten {est.batch_tail_s * 1e3:.1f} ms or more)"
 
 
+def _memory_measured(trials: Sequence[Trial]) -> bool:
+    return any(t.settings.num_workers > 0 and t.stats.worker_mem_bytes > 0 for t in trials)
+
+
 def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | None:
-    """Where the running workers are predicted to outgrow the memory budget before the end of their life (their
-    copy-on-read growth, measured): settle at once on the most workers predicted to fit, rather than on these and
-    wait for the check at each step to see the overrun (which comes between two readings of the workers)."""
+    """Where ``cur``'s workers (running, or about to be settled on) are predicted to outgrow the memory budget
+    before the end of their life (their copy-on-read growth, measured): settle at once on the most workers
+    predicted to fit, rather than on these and wait for the check at each step to see the overrun."""
     cap, workers = est.mem_cap_workers, cur.num_workers
     if cap is None or cap >= workers or not est.mem_measured or budget.memory_bytes is None:
         return None

@@ -187,6 +187,7 @@ class LoaderSwitcher:
         if self.resumable and self.restored_epoch is not None:
             self._resume_epoch(loader.batch_sampler)
         self.state.current = LoaderSettings.from_loader(loader)
+        self.probe.loader_built(self.state.current.num_workers)
         return loader
 
     def _build_settings(self, loader: DataLoader) -> LoaderSettings | None:

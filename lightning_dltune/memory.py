@@ -55,11 +55,7 @@ def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
         return WorkerMemory()
     peak_worker = max(s.largest_bytes for s in readings)
     peak_total = max(s.total_bytes for s in readings)
-    start = 0
-    for i in range(1, len(readings)):
-        if readings[i].batches < readings[i - 1].batches or readings[i].workers != readings[i - 1].workers:
-            start = i
-    latest = readings[start:]
+    latest = latest_set(readings)
     xs = [s.batches / s.workers for s in latest]
     ys = [s.total_bytes / s.workers for s in latest]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -69,6 +65,15 @@ def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
     growth = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx)
     base = max(0.0, mean_y - growth * mean_x)
     return WorkerMemory(base, growth, peak_worker, peak_total, len(readings))
+
+
+def latest_set(samples: Sequence[MemorySample]) -> Sequence[MemorySample]:
+    """The readings of the latest worker set: from the last drop in the batch count or change of worker count."""
+    start = 0
+    for i in range(1, len(samples)):
+        if samples[i].batches < samples[i - 1].batches or samples[i].workers != samples[i - 1].workers:
+            start = i
+    return samples[start:]
 
 
 def worker_bytes(mem: WorkerMemory, workers: int, life_batches: float, ceiling: float | None) -> float:

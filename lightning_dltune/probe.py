@@ -19,7 +19,7 @@ import torch
 from lightning_dltune import gpu
 from lightning_dltune._warn import warn_once
 from lightning_dltune.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes
+from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set
 
 
 def worker_uss(pids: list[int]) -> list[float]:
@@ -77,8 +77,9 @@ class MemoryWatch:
     the budget check at each step: that reading plus the growth measured per batch (copy-on-read) times the
     batches taken since, up to the training process's own size per worker. Readings come every ``interval_s`` at
     best and far apart while the workers are far from the budget (see :meth:`next_interval`): in the memory
-    tests a copy-on-read loader grew 25 MiB, and a leaking one 200 MiB, between two of them, so the check does not
-    wait for the next one to see the workers grow.
+    tests a copy-on-read loader went 20-27 MiB past a 90 MiB budget, and a leaking one to 380-395 MiB of a 160 MiB
+    one, between two of them, so the check does not wait for the next one to see the workers grow (and a reading
+    taken then confirms it, see :meth:`Probe.over_budget`).
     """
 
     def __init__(
@@ -157,19 +158,20 @@ class MemoryWatch:
         growth = self._set_growth
         return self._fitted_growth if growth is None else growth
 
-    def held(self) -> float | None:
-        """What the running workers hold now, their batches in flight included (``None``: not read in this window):
-        the latest reading, grown by :attr:`growth_bytes` for each batch taken since, to at most
+    def held(self, workers: int | None = None, grown: bool = True) -> float | None:
+        """What the running workers hold now, their batches in flight included (``None``: not read in this window,
+        or the reading is of another worker count than ``workers``, the running loader's: a set being replaced):
+        the latest reading, grown (``grown``) by :attr:`growth_bytes` for each batch taken since, to at most
         :attr:`ceiling_bytes` a worker (not below the reading)."""
         latest = self.latest
-        if latest is None:
+        if latest is None or (workers is not None and latest.workers != workers):
             return None
         total = latest.total_bytes
-        if self.growth_bytes > 0 and total > 0:
-            grown = total + self.growth_bytes * max(0, self.batches - self._latest_at)
+        if grown and self.growth_bytes > 0 and total > 0:
+            more = total + self.growth_bytes * max(0, self.batches - self._latest_at)
             if self.ceiling_bytes > 0:
-                grown = min(grown, max(total, latest.workers * self.ceiling_bytes))
-            total = grown
+                more = min(more, max(total, latest.workers * self.ceiling_bytes))
+            total = more
         return total + latest.workers * self.flight_bytes
 
     def take(self, fresh: bool = True) -> WorkerMemory:
@@ -189,9 +191,19 @@ class MemoryWatch:
             self._window += 1
         self._wake.set()  # the next window's first reading, at once: until then the check at each step is blind
         fitted = fit(samples)
-        if fitted.samples >= 3:  # fewer fit no growth
+        readings = [s for s in samples if s.workers > 0 and s.total_bytes > 0]
+        if len({s.batches for s in latest_set(readings)}) >= 3:  # fewer fit no growth
             self._fitted_growth = fitted.growth_bytes
         return fitted
+
+    def loader_built(self, workers: int) -> None:
+        """A new train loader of ``workers`` workers serves from its next fetch: this window's readings of another
+        worker count (read after the decision that replaced them) and any reading under way are not its own."""
+        with self._lock:
+            self._samples = [s for s in self._samples if s.workers == workers]
+            if self.latest is not None and self.latest.workers != workers:
+                self.latest = None
+            self._window += 1
 
     def start(self) -> None:
         if self._thread is None:
@@ -205,8 +217,8 @@ class MemoryWatch:
         the workers hold under 3/4 of the budget, 10% above that, while :attr:`measuring` (a window that exists
         to fit the workers' growth needs three readings or more: on a busy host at 2% it could get two), and until
         a worker set was read twice (its growth is not known before). Between the two, half the time the workers'
-        growth per second (over their latest readings) takes to reach the budget: a leaking loader read every 2 s
-        at 2% went from 105 to 320 MiB of a 160 MiB budget between two readings."""
+        growth per second (over their latest readings) takes to reach the budget: a leaking loader, read every 2 s
+        at 2%, reached 380-395 MiB of a 160 MiB budget between two readings."""
         near = max(self.interval_s, self._read_s / CPU_SHARE_NEAR)
         far = max(self.interval_s, self._read_s / CPU_SHARE_FAR)
         if self.pressure >= 0.75 or self.measuring or len(self._recent) < 2:
@@ -301,6 +313,10 @@ class Probe:
     # --- the loop's events ----------------------------------------------------------------------------------
     def loader_requested(self) -> None:
         self.timer.loader_requested()
+
+    def loader_built(self, workers: int) -> None:
+        """The train loader just built (of ``workers`` workers) serves next (see :meth:`MemoryWatch.loader_built`)."""
+        self.memory.loader_built(workers)
 
     def rebuilt_in_fetch(self) -> None:
         """A new loader serves from this fetch on: the window's CPU and memory are counted from here (after a
@@ -413,21 +429,26 @@ class Probe:
         """The last batch's tensor bytes (0 before one was measured)."""
         return self._known_batch_bytes
 
-    def held_bytes(self, settings: Any) -> float:
+    def held_bytes(self, settings: Any, grown: bool = True) -> float:
         """What the running workers hold now (:meth:`MemoryWatch.held`), their batches in flight included (0: not
         read yet)."""
         if settings is None:
             return 0.0
         flight = in_flight_bytes(self._known_batch_bytes, settings.prefetch_factor, settings.pin_memory)
         self.memory.flight_bytes = flight
-        return self.memory.held() or 0.0
+        return self.memory.held(settings.num_workers, grown) or 0.0
 
     def over_budget(self, settings: Any, budget_bytes: float | None) -> bool:
         """Whether the workers, grown since their latest reading (:meth:`MemoryWatch.held`), with their batches in
-        flight, hold more than ``budget_bytes``."""
+        flight, hold more than ``budget_bytes``. Where only the growth counted since the reading crosses it, the
+        workers are read now (``SYNC_READ_WORKERS`` of them, in the training process) and that reading decides:
+        a config is left on what its workers were read to hold, never on the estimate alone."""
         if budget_bytes is None or settings is None:
             return False
         held = self.held_bytes(settings)
+        if held > budget_bytes and self.held_bytes(settings, grown=False) <= budget_bytes:
+            self.memory.sample(most=SYNC_READ_WORKERS)
+            held = self.held_bytes(settings, grown=False)  # the reading just taken (or the latest, if none)
         self.memory.pressure = held / budget_bytes if budget_bytes else 1.0
         self.memory.budget_bytes = budget_bytes
         return held > budget_bytes

@@ -178,6 +178,10 @@ def test_running_workers_predicted_to_outgrow_the_budget_settle_on_fewer_before_
     assert decide([start, four], roomy, Policy()).settings.num_workers >= 4  # exactly fits: not outgrown
     unmeasured = with_mem(trial(4, 20, 10), 0, main_mib=250, epoch=200)  # no reading of the workers yet
     assert decide([start, unmeasured], budget, Policy()).settings.num_workers >= 4
+    # whatever settles: 4 workers that stall no more are not settled on either
+    fed = with_mem(trial(4, 0.1, 10), 20, growth_mib=1.0, main_mib=250, epoch=200)
+    settled = decide([start, fed], budget, Policy())
+    assert settled.action == "settle" and settled.settings == cfg(3), settled.reason
 
 
 # --- the watch -------------------------------------------------------------------------------------------
@@ -246,11 +250,32 @@ def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_ba
     for _ in range(10):  # 10 batches later, not read again: 10 MiB more is counted
         watch.batch_taken()
     assert probe.held_bytes(settings) == pytest.approx(42 * MiB)
-    assert probe.over_budget(settings, 41 * MiB) and not probe.over_budget(settings, 43 * MiB)
+    assert not probe.over_budget(settings, 43 * MiB)
     assert watch.pressure == pytest.approx(42 / 43)  # what the readings' pace follows
-    for _ in range(100):  # no worker grows past what the training process holds (40 MiB each)
+    sizes[11] += 5 * MiB
+    sizes[12] += 5 * MiB  # they did grow: the estimate crosses a 41 MiB budget, a reading now confirms it
+    assert probe.over_budget(settings, 41 * MiB) and watch.latest.total_bytes == 42 * MiB
+    for _ in range(10):  # the estimate says 52 MiB, but they stopped growing: read now, not over 45 MiB
+        watch.batch_taken()
+    assert probe.held_bytes(settings) > 45 * MiB
+    assert not probe.over_budget(settings, 45 * MiB) and watch.latest.total_bytes == 42 * MiB
+    for _ in range(100):  # no worker is counted past what the training process holds (40 MiB each)
         watch.batch_taken()
     assert probe.held_bytes(settings) == pytest.approx(80 * MiB)
+    assert probe.held_bytes(cfg(3)) == 0  # a reading of 2 workers does not stand for a loader of 3
+
+
+def test_a_new_loaders_workers_are_not_judged_on_the_readings_of_the_ones_it_replaces():
+    pids, sizes = [11, 12, 13, 14], 50 * MiB
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [sizes for _ in ps])
+    watch.sample()  # 4 workers at 200 MiB, read after the decision that replaces them with 2
+    watch.loader_built(2)
+    assert watch.latest is None and watch.held(2) is None
+    pids[:] = [21, 22]
+    sizes = 10 * MiB
+    watch.sample()
+    assert watch.held(2) == 20 * MiB and watch.held(4) is None
+    assert watch.take().peak_total_bytes == 20 * MiB  # the window's fit has only the new workers' readings
 
 
 def test_a_new_window_is_read_at_once_however_far_the_workers_are_from_the_budget():
