@@ -72,10 +72,10 @@ class MemoryWatch:
 
     The training loop counts the batches it took (:meth:`batch_taken`); a sample records, for the worker set it
     read (the same PIDs), the batches taken since that set started. :meth:`take` fits the window's samples
-    (:func:`lightning_dltune.memory.fit`) and starts the next window, whose first reading is taken at once;
-    :attr:`latest` is the newest reading of the current window, and :meth:`held` what the workers hold now for
-    the budget check at each step: that reading plus the growth measured per batch (copy-on-read) times the
-    batches taken since, up to the training process's own size per worker. Readings come every ``interval_s`` at
+    (:func:`lightning_dltune.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of the
+    current window, and :meth:`held` what the workers hold now for the budget check at each step: their newest
+    reading (of any window, since the loader was built) plus the growth measured per batch (copy-on-read) times
+    the batches taken since, up to the training process's own size per worker. Readings come every ``interval_s`` at
     best and far apart while the workers are far from the budget (see :meth:`next_interval`): in the memory
     tests a copy-on-read loader went 20-27 MiB past a 90 MiB budget, and a leaking one to 380-395 MiB of a 160 MiB
     one, between two of them, so the check does not wait for the next one to see the workers grow (and a reading
@@ -106,7 +106,8 @@ class MemoryWatch:
         self._set_start = 0
         self.batches = 0
         self.latest: MemorySample | None = None
-        self._latest_at = 0  # `batches` when `latest` was read
+        self._held_from: tuple[MemorySample, int] | None = None  # the newest reading since the loader was built,
+        self._built = 0  # with `batches` at its time; bumped by loader_built: a reading begun before is not of it
         self._recent: list[MemorySample] = []  # the running worker set's latest readings, of any window
         self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
         self._set_rate = 0.0  # ... and per second
@@ -123,7 +124,7 @@ class MemoryWatch:
     def sample(self, most: int | None = None) -> MemorySample | None:
         """Read the workers now, at most ``most`` of them (they stand for all: each worker's share is taken as the
         mean of those read); the thread calls this, and a window that saw no reading at its end."""
-        window = self._window
+        window, built = self._window, self._built
         pids = self._pids_now()
         read = pids
         if most is not None and len(pids) > most:  # a different few each time: the largest is seen over time
@@ -146,10 +147,18 @@ class MemoryWatch:
             if len(self._recent) >= 2:
                 self._set_growth = _slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
                 self._set_rate = _slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
+            if built == self._built:
+                self._held_from = reading, batches
             if window == self._window:
                 self._samples.append(reading)
-                self.latest, self._latest_at = reading, batches
+                self.latest = reading
         return reading
+
+    @property
+    def newest_in_window(self) -> bool:
+        """Whether the workers' newest reading (the one :meth:`held` counts from) is one of this window's."""
+        held_from = self._held_from
+        return held_from is not None and held_from[0] is self.latest
 
     @property
     def growth_bytes(self) -> float:
@@ -159,16 +168,17 @@ class MemoryWatch:
         return self._fitted_growth if growth is None else growth
 
     def held(self, workers: int | None = None, grown: bool = True) -> float | None:
-        """What the running workers hold now, their batches in flight included (``None``: not read in this window,
-        or the reading is of another worker count than ``workers``, the running loader's: a set being replaced):
-        the latest reading, grown (``grown``) by :attr:`growth_bytes` for each batch taken since, to at most
+        """What the running workers hold now, their batches in flight included (``None``: not read since the loader
+        was built, or the reading is of another worker count than ``workers``, the running loader's): their newest
+        reading, grown (``grown``) by :attr:`growth_bytes` for each batch taken since, to at most
         :attr:`ceiling_bytes` a worker (not below the reading)."""
-        latest = self.latest
-        if latest is None or (workers is not None and latest.workers != workers):
+        held_from = self._held_from
+        if held_from is None or (workers is not None and held_from[0].workers != workers):
             return None
+        latest, at = held_from
         total = latest.total_bytes
         if grown and self.growth_bytes > 0 and total > 0:
-            more = total + self.growth_bytes * max(0, self.batches - self._latest_at)
+            more = total + self.growth_bytes * max(0, self.batches - at)
             if self.ceiling_bytes > 0:
                 more = min(more, max(total, latest.workers * self.ceiling_bytes))
             total = more
@@ -189,7 +199,6 @@ class MemoryWatch:
         with self._lock:
             samples, self._samples, self.latest = self._samples, [], None
             self._window += 1
-        self._wake.set()  # the next window's first reading, at once: until then the check at each step is blind
         fitted = fit(samples)
         readings = [s for s in samples if s.workers > 0 and s.total_bytes > 0]
         if len({s.batches for s in latest_set(readings)}) >= 3:  # fewer fit no growth
@@ -198,12 +207,16 @@ class MemoryWatch:
 
     def loader_built(self, workers: int) -> None:
         """A new train loader of ``workers`` workers serves from its next fetch: this window's readings of another
-        worker count (read after the decision that replaced them) and any reading under way are not its own."""
+        worker count (read after the decision that replaced them), and any reading under way, are not its own; the
+        check at each step waits for a reading of its workers, and their growth is read again."""
         with self._lock:
             self._samples = [s for s in self._samples if s.workers == workers]
             if self.latest is not None and self.latest.workers != workers:
                 self.latest = None
             self._window += 1
+            self._built += 1
+            self._held_from, self._pids = None, frozenset()
+            self._recent, self._set_growth, self._set_rate = [], None, 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -216,9 +229,9 @@ class MemoryWatch:
         """Seconds to the next reading: ``interval_s``, stretched so that reading takes at most 2% of a CPU while
         the workers hold under 3/4 of the budget, 10% above that, while :attr:`measuring` (a window that exists
         to fit the workers' growth needs three readings or more: on a busy host at 2% it could get two), and until
-        a worker set was read twice (its growth is not known before). Between the two, half the time the workers'
-        growth per second (over their latest readings) takes to reach the budget: a leaking loader, read every 2 s
-        at 2%, reached 380-395 MiB of a 160 MiB budget between two readings."""
+        a new loader's workers were read twice (their growth is not known before). Between the two, half the time
+        the workers' growth per second (over their latest readings) takes to reach the budget: a leaking loader,
+        read every 2 s at 2%, reached 380-395 MiB of a 160 MiB budget between two readings."""
         near = max(self.interval_s, self._read_s / CPU_SHARE_NEAR)
         far = max(self.interval_s, self._read_s / CPU_SHARE_FAR)
         if self.pressure >= 0.75 or self.measuring or len(self._recent) < 2:
@@ -440,13 +453,16 @@ class Probe:
 
     def over_budget(self, settings: Any, budget_bytes: float | None) -> bool:
         """Whether the workers, grown since their latest reading (:meth:`MemoryWatch.held`), with their batches in
-        flight, hold more than ``budget_bytes``. Where only the growth counted since the reading crosses it, the
-        workers are read now (``SYNC_READ_WORKERS`` of them, in the training process) and that reading decides:
-        a config is left on what its workers were read to hold, never on the estimate alone."""
+        flight, hold more than ``budget_bytes``. Where only the growth counted since the reading crosses it, or the
+        reading is of an earlier window, the workers are read now (``SYNC_READ_WORKERS`` of them, in the training
+        process) and that reading decides: a config is left on what its workers were read to hold in the window
+        that judges it, never on the estimate alone."""
         if budget_bytes is None or settings is None:
             return False
         held = self.held_bytes(settings)
-        if held > budget_bytes and self.held_bytes(settings, grown=False) <= budget_bytes:
+        if held > budget_bytes and not (
+            self.memory.newest_in_window and self.held_bytes(settings, grown=False) > budget_bytes
+        ):
             self.memory.sample(most=SYNC_READ_WORKERS)
             held = self.held_bytes(settings, grown=False)  # the reading just taken (or the latest, if none)
         self.memory.pressure = held / budget_bytes if budget_bytes else 1.0

@@ -1,7 +1,6 @@
 """The memory model (pure) and the watch that feeds it: prior, measured, growing, over budget."""
 
 import math
-import time
 
 import pytest
 from test_decide import cfg, trial, with_mem
@@ -278,19 +277,16 @@ def test_a_new_loaders_workers_are_not_judged_on_the_readings_of_the_ones_it_rep
     assert watch.take().peak_total_bytes == 20 * MiB  # the window's fit has only the new workers' readings
 
 
-def test_a_new_window_is_read_at_once_however_far_the_workers_are_from_the_budget():
+def test_the_check_goes_on_from_the_running_workers_newest_reading_across_windows_until_a_new_loader():
     pids = [11]
     watch = MemoryWatch(lambda: pids, read=lambda ps: [10 * MiB for _ in ps])
-    watch._read_s = 1.0  # a slow reading, far from the budget: the thread would wait 50 s (2% of a CPU)
-    watch.start()
-    try:
-        watch.take()
-        deadline = time.monotonic() + 10
-        while watch.latest is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert watch.latest is not None and watch.latest.total_bytes == 10 * MiB
-    finally:
-        watch.stop()
+    watch.sample()
+    watch.take()  # a window closes: the check at each step is not blind until the thread reads again
+    assert watch.latest is None and watch.held(1) == 10 * MiB and not watch.newest_in_window
+    watch.loader_built(1)  # a new loader: its workers are not the ones read (even with the same count)
+    assert watch.held(1) is None
+    watch.sample()
+    assert watch.held(1) == 10 * MiB
 
 
 def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():
