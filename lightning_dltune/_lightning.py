@@ -26,6 +26,8 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop", "_combined_loader"),
     ("fit_loop", "_data_fetcher"),
     ("fit_loop", "_combined_loader_states_to_load"),
+    ("fit_loop", "_last_train_dl_reload_epoch"),
+    ("fit_loop", "_should_reload_train_dl"),
     ("fit_loop._data_source", "dataloader"),
     ("fit_loop.epoch_loop", "_on_before_fetch"),
     ("fit_loop.epoch_loop", "_on_after_fetch"),
@@ -175,6 +177,22 @@ def install_fetch_hooks(
                 del loop.__dict__[name]
 
     return restore
+
+
+def lightning_reloads_train(trainer: "pl.Trainer") -> bool:
+    """Whether Lightning's own ``reload_dataloaders_every_n_epochs`` asks for the train loader now (read inside
+    ``setup_data``, before it records this epoch as its latest reload)."""
+    return bool(trainer.fit_loop._should_reload_train_dl)
+
+
+def train_reload_epoch(trainer: "pl.Trainer") -> float:
+    """The epoch Lightning last reloaded the train loader at: what its reload schedule counts from."""
+    return float(trainer.fit_loop._last_train_dl_reload_epoch)
+
+
+def set_train_reload_epoch(trainer: "pl.Trainer", epoch: float) -> None:
+    """Put back the epoch Lightning's reload schedule counts from (``setup_data`` sets it on every reload)."""
+    trainer.fit_loop._last_train_dl_reload_epoch = epoch
 
 
 def request_train_reload(trainer: "pl.Trainer") -> None:

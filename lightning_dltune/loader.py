@@ -113,11 +113,13 @@ class LoaderSwitcher:
         self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
         # what a run without the tuner does with its loader (see `_as_untuned`): for the loader asked for since the
         # running epoch began (None: none was), and for the running epoch's; the user's last loader object; whether
-        # the tuner asked for the latest reload
+        # the epoch Lightning's reload schedule counted from when the tuner asked for the latest reload (None: it did
+        # not), and what to put back there once a reload only the tuner asked for is done
         self._untuned_next: _Untuned | None = None
         self._untuned_now = _NOT_ASKED
         self._user_loader: weakref.ref[DataLoader] | None = None
-        self._asked_reload = False
+        self._asked_reload: float | None = None
+        self._put_back_reload: float | None = None
         self.seamless = Seamless(
             seamless,
             epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
@@ -133,7 +135,7 @@ class LoaderSwitcher:
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer, self._first_epoch, self._user_loader = trainer, None, None
         self._untuned_next, self._untuned_now = None, _NOT_ASKED
-        self._asked_reload = False
+        self._asked_reload = self._put_back_reload = None
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
@@ -365,12 +367,12 @@ class LoaderSwitcher:
         tuner's is; a new object (or the fit's first) creates an iterator, drawing a base seed. Where only the tuner
         asked for the reload, that run would have gone on with its iterator."""
         last, self._user_loader = self._user_loader, weakref.ref(loader)
-        ours, self._asked_reload = self._asked_reload, False  # the tuner asked for this reload
+        ours, self._asked_reload = self._asked_reload, None  # the tuner asked for this reload
         if self._first_epoch is None or self.trainer is None:  # nothing trained yet in this fit
             return _Untuned(asked=True, draws_base=True)
-        every = int(getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
-        scheduled = every > 0 and (self.trainer.current_epoch - self._first_epoch) % every == 0
-        if ours and not scheduled:
+        if ours is not None and not _lightning.lightning_reloads_train(self.trainer):
+            # Lightning's schedule counts from its own latest reload, not from the tuner's (put back at epoch start)
+            self._put_back_reload = ours
             return _NOT_ASKED
         return _Untuned(asked=True, draws_base=last is None or last() is not loader)
 
@@ -383,7 +385,11 @@ class LoaderSwitcher:
         self._untuned_now, self._untuned_next = self._untuned_next or _NOT_ASKED, None
 
     def epoch_started(self) -> None:
-        """A train epoch begins: the guard goes on its iterator, and the random state is kept as untuned."""
+        """A train epoch begins (after Lightning's ``setup_data``): the guard goes on its iterator, the random state
+        is kept as untuned, and Lightning's reload schedule as it was before a reload only the tuner asked for."""
+        if self._put_back_reload is not None and self.trainer is not None:
+            _lightning.set_train_reload_epoch(self.trainer, self._put_back_reload)
+        self._put_back_reload = None
         self._train_began()
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable
@@ -406,7 +412,7 @@ class LoaderSwitcher:
             self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
         if self._reload and not last_epoch:
             assert self.trainer is not None
-            self._asked_reload = True
+            self._asked_reload = _lightning.train_reload_epoch(self.trainer)
             _lightning.request_train_reload(self.trainer)
         self._reload = False
 

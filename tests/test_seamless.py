@@ -274,6 +274,38 @@ class HookModel(Dropout):
         return self.dl
 
 
+class CallsModel(HookModel):
+    """Records the epoch at each call of its ``train_dataloader`` hook."""
+
+    def __init__(self):
+        super().__init__(new_each=True)
+        self.calls = []
+
+    def train_dataloader(self):
+        self.calls.append(self.trainer.current_epoch)
+        return super().train_dataloader()
+
+
+def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it_was(tmp_path, monkeypatch):
+    from lightning_dltune import _lightning
+
+    asked = []  # the epochs the tuner reloads at (it asks at the end of the one before)
+    request = _lightning.request_train_reload
+    monkeypatch.setattr(_lightning, "request_train_reload", lambda t: (asked.append(t.current_epoch + 1), request(t)))
+    calls = []
+    for callbacks in ([], [DataLoaderTuner(mode="epoch")]):  # epoch mode: its switches are reloads
+        model = CallsModel()
+        reload = {"reload_dataloaders_every_n_epochs": 2}
+        trainer = make_trainer(tmp_path / str(len(calls)), callbacks, max_epochs=6, logger=False, **reload)
+        trainer.fit(model)
+        calls.append(model.calls)
+    assert calls[0] == [0, 2, 4]
+    # a reload the tuner asked for outside Lightning's schedule, not followed by another at once: Lightning used to
+    # count its next reload from there (at 3, not 2), and the hook was called when a run without the tuner does not
+    assert any(e % 2 and e + 1 not in asked for e in asked), asked
+    assert calls[1] == sorted({*calls[0], *asked}), (calls, asked)
+
+
 @pytest.mark.parametrize("workers", [0, 2])  # persistent with 2
 @pytest.mark.parametrize("new_each", [True, False])
 def test_observing_a_loader_lightning_reloads_every_epoch_trains_what_a_run_without_the_tuner_trains(
