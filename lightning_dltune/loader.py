@@ -521,6 +521,7 @@ class LoaderSwitcher:
         self.state.current = LoaderSettings.from_loader(new)
         self._fresh = True
         self.probe.rebuilt_in_fetch()
+        self.probe.loader_built(self.state.current.num_workers)
 
     @property
     def starting(self) -> LoaderSettings | None:

@@ -108,6 +108,7 @@ class MemoryWatch:
         self.latest: MemorySample | None = None
         self._held_from: tuple[MemorySample, int] | None = None  # the newest reading since the loader was built,
         self._built = 0  # with `batches` at its time; bumped by loader_built: a reading begun before is not of it
+        self._built_at = 0  # `batches` when the running loader was built
         self._recent: list[MemorySample] = []  # the running worker set's latest readings, of any window
         self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
         self._set_rate = 0.0  # ... and per second
@@ -144,6 +145,9 @@ class MemoryWatch:
             reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(sizes))
             self._newest = reading
             self._recent = [*self._recent[-(RECENT_READINGS - 1) :], reading]
+            if len(self._recent) == 1 and batches > self._built_at and self._fitted_growth <= 0:
+                # the first workers read, their growth not known: at most all they hold per batch taken
+                self._set_growth = total / (batches - self._built_at)
             if len(self._recent) >= 2:
                 self._set_growth = _slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
                 self._set_rate = _slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
@@ -163,21 +167,24 @@ class MemoryWatch:
     @property
     def growth_bytes(self) -> float:
         """What the running workers grow, all together, per batch taken: over their latest readings (two or more),
-        else as the latest window fitted (another worker set's: copy-on-read grows per batch loaded, by any set)."""
+        else as the workers before them (copy-on-read grows per batch loaded, by any set), else, for the first
+        workers read once, at most: all they hold over the batches taken (the reading that a crossing asks for
+        corrects it, see :meth:`Probe.over_budget`)."""
         growth = self._set_growth
         return self._fitted_growth if growth is None else growth
 
     def held(self, workers: int | None = None, grown: bool = True) -> float | None:
-        """What the running workers hold now, their batches in flight included (``None``: not read since the loader
-        was built, or the reading is of another worker count than ``workers``, the running loader's): their newest
-        reading, grown (``grown``) by :attr:`growth_bytes` for each batch taken since, to at most
-        :attr:`ceiling_bytes` a worker (not below the reading)."""
+        """What the running workers hold now, their batches in flight included (``None``: no loader built and nothing
+        read, or the reading is of another worker count than ``workers``, the running loader's): their newest
+        reading (nothing, at the loader's build, see :meth:`loader_built`), grown (``grown``) by
+        :attr:`growth_bytes` for each batch taken since, to at most :attr:`ceiling_bytes` a worker (not below the
+        reading)."""
         held_from = self._held_from
         if held_from is None or (workers is not None and held_from[0].workers != workers):
             return None
         latest, at = held_from
         total = latest.total_bytes
-        if grown and self.growth_bytes > 0 and total > 0:
+        if grown and self.growth_bytes > 0:
             more = total + self.growth_bytes * max(0, self.batches - at)
             if self.ceiling_bytes > 0:
                 more = min(more, max(total, latest.workers * self.ceiling_bytes))
@@ -207,15 +214,20 @@ class MemoryWatch:
 
     def loader_built(self, workers: int) -> None:
         """A new train loader of ``workers`` workers serves from its next fetch: this window's readings of another
-        worker count (read after the decision that replaced them), and any reading under way, are not its own; the
-        check at each step waits for a reading of its workers, and their growth is read again."""
+        worker count (read after the decision that replaced them), and any reading under way, are not its own. Until
+        its workers are read, the check at each step counts them from nothing, growing as the workers before them
+        did per batch (copy-on-read and leaks grow per batch loaded, by any number of workers): in the full suite a
+        leaking loader's new workers grew 60 MiB past the budget before their second reading."""
         with self._lock:
             self._samples = [s for s in self._samples if s.workers == workers]
             if self.latest is not None and self.latest.workers != workers:
                 self.latest = None
             self._window += 1
             self._built += 1
-            self._held_from, self._pids = None, frozenset()
+            self._fitted_growth = self.growth_bytes  # what the new workers' growth is taken to be until read
+            self._built_at = self.batches
+            start = MemorySample(self._clock(), 0, workers, 0.0, 0.0)
+            self._held_from, self._pids = ((start, self.batches) if workers > 0 else None), frozenset()
             self._recent, self._set_growth, self._set_rate = [], None, 0.0
 
     def start(self) -> None:

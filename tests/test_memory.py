@@ -269,7 +269,7 @@ def test_a_new_loaders_workers_are_not_judged_on_the_readings_of_the_ones_it_rep
     watch = MemoryWatch(lambda: pids, read=lambda ps: [sizes for _ in ps])
     watch.sample()  # 4 workers at 200 MiB, read after the decision that replaces them with 2
     watch.loader_built(2)
-    assert watch.latest is None and watch.held(2) is None
+    assert watch.latest is None and watch.held(2) == 0 and watch.held(4) is None  # counted from nothing
     pids[:] = [21, 22]
     sizes = 10 * MiB
     watch.sample()
@@ -284,9 +284,41 @@ def test_the_check_goes_on_from_the_running_workers_newest_reading_across_window
     watch.take()  # a window closes: the check at each step is not blind until the thread reads again
     assert watch.latest is None and watch.held(1) == 10 * MiB and not watch.newest_in_window
     watch.loader_built(1)  # a new loader: its workers are not the ones read (even with the same count)
-    assert watch.held(1) is None
+    assert watch.held(1) == 0
     watch.sample()
     assert watch.held(1) == 10 * MiB
+
+
+def test_the_first_workers_read_once_are_taken_to_grow_at_most_all_they_hold_per_batch():
+    watch = MemoryWatch(lambda: [11, 12], read=lambda ps: [10 * MiB for _ in ps])
+    for _ in range(4):
+        watch.batch_taken()
+    watch.sample()  # 20 MiB after 4 batches: at most 5 MiB a batch
+    assert watch.growth_bytes == pytest.approx(5 * MiB)
+    for _ in range(4):
+        watch.batch_taken()
+    assert watch.held(2) == pytest.approx(40 * MiB)
+    watch.sample()  # read again: not growing
+    assert watch.growth_bytes == 0 and watch.held(2) == pytest.approx(20 * MiB)
+
+
+def test_a_new_loaders_workers_are_counted_from_nothing_growing_as_the_ones_before_until_read():
+    pids, size = [11, 12], [10 * MiB]
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [size[0] for _ in ps])
+    for _ in range(3):  # 2 workers growing 2 MiB per batch taken, together
+        watch.sample()
+        for _ in range(5):
+            watch.batch_taken()
+        size[0] += 5 * MiB
+    assert watch.growth_bytes == pytest.approx(2 * MiB)
+    watch.loader_built(3)  # 3 new workers, not read yet
+    for _ in range(10):
+        watch.batch_taken()
+    assert watch.held(3) == pytest.approx(20 * MiB)  # 10 batches at the growth measured before
+    pids[:] = [21, 22, 23]
+    size[0] = 4 * MiB
+    watch.sample()  # read: the reading stands, and their own growth is read again
+    assert watch.held(3) == pytest.approx(12 * MiB)
 
 
 def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():

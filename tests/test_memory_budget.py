@@ -108,15 +108,17 @@ def test_memory_growing_past_the_budget_mid_epoch_switches_down_inside_the_epoch
         trainer.fit(SimulatedModel(step_ms=20), datamodule=dm)
     assert exact_epochs(record.epochs, len(dataset))
     # Held within 20 batches' leak (8 samples of 512 KiB a batch, 80 MiB) of the budget: the check at each step
-    # counts what the workers grew since their latest reading, once two readings of them showed their growth; until
-    # then (0.25-0.5 s at 10% of a CPU, 10-20 batches) they grow unseen. Alone this test peaks 2-6 MiB over it, in
-    # the full suite 40 MiB over. Before the check counted growth, the workers were read every 2 s far from the
-    # budget, and reached 380-395 MiB between two readings.
+    # counts what the workers grew since their latest reading (read once, at most all they hold per batch taken; a
+    # new loader's from nothing, growing as the workers before them). Alone this test peaks at most 7 MiB over it;
+    # in the full suite it went 40-100 MiB over before the last two were counted. Before the check counted growth,
+    # the workers were read every 2 s far from the budget, and reached 380-395 MiB between two readings.
     assert watch.peak <= 160 * MiB + 20 * 8 * dataset.leak, (watch.peak / MiB, [t.decision for t in tuner.trials])
-    over = [t for t in tuner.trials if t.failed and "memory budget" in t.failed]
-    assert over, [t.decision for t in tuner.trials]
-    assert over[0].settings.num_workers == 4
+    # the user's 4 workers are left for going over the budget (the check at each step) or, where their first
+    # window's readings already showed the leak, for being predicted to outgrow it (the full suite saw both)
+    left = [t for t in tuner.trials if (t.failed and "memory budget" in t.failed) or "outgrow" in (t.decision or "")]
+    assert left, [t.decision for t in tuner.trials]
+    assert left[0].settings.num_workers == 4
     in_epoch = [e for e in range(2) if len({w for ep, w in workers.seen if ep == e}) > 1]
     assert in_epoch, workers.seen  # 4 workers, then fewer, inside one epoch: left mid-epoch, not at its end
     assert tuner.best_settings["num_workers"] < 4
-    assert "Memory:" in tuner.diagnosis and "numpy arrays" in tuner.diagnosis
+    assert "memory budget" in tuner.diagnosis and "numpy arrays" in tuner.diagnosis
