@@ -303,7 +303,7 @@ def _host_busy(t: Trial) -> float:
 def worker_memory(trials: Sequence[Trial], policy: Policy = Policy()) -> tuple[WorkerMemory, bool]:
     """The workers' memory over every trial that measured it (failed ones too: a config over the budget measured
     the most): the largest base, growth and peaks; the policy's prior when none did. And whether one did."""
-    seen = [t.stats.worker_memory for t in trials if t.settings.num_workers > 0 and t.stats.worker_mem_bytes > 0]
+    seen = [t.stats.worker_memory for t in trials if _read_workers(t)]
     if not seen:
         prior = policy.worker_mem_prior
         return WorkerMemory(prior, 0.0, prior, 0.0, 0), False
@@ -684,7 +684,7 @@ def decide(
 
     def settle(reason: str, est: Estimate | None = None) -> Decision:
         # never on workers predicted to outgrow the memory budget (whatever made the tuner settle)
-        if budget.memory_bytes is not None and best.settings.num_workers > 0 and _memory_measured(trials):
+        if budget.memory_bytes is not None and best.settings.num_workers > 0 and any(map(_read_workers, trials)):
             outgrown = _outgrown(est or estimate(trials, budget, policy), best.settings, budget)
             if outgrown is not None:
                 return outgrown
@@ -869,8 +869,9 @@ def _slowest(est: Estimate) -> str:
     return f" (one in ten {est.batch_tail_s * 1e3:.1f} ms or more)"
 
 
-def _memory_measured(trials: Sequence[Trial]) -> bool:
-    return any(t.settings.num_workers > 0 and t.stats.worker_mem_bytes > 0 for t in trials)
+def _read_workers(t: Trial) -> bool:
+    """Whether the trial's window read its workers' memory."""
+    return t.settings.num_workers > 0 and t.stats.worker_mem_bytes > 0
 
 
 def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | None:

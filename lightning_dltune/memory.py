@@ -58,13 +58,18 @@ def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
     latest = latest_set(readings)
     xs = [s.batches / s.workers for s in latest]
     ys = [s.total_bytes / s.workers for s in latest]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if len(set(xs)) < 3 or sxx <= 0:
+    growth = slope(xs, ys) if len(set(xs)) >= 3 else None
+    if growth is None:
         return WorkerMemory(ys[-1], 0.0, peak_worker, peak_total, len(readings))
-    growth = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx)
-    base = max(0.0, mean_y - growth * mean_x)
+    base = max(0.0, sum(ys) / len(ys) - growth * sum(xs) / len(xs))
     return WorkerMemory(base, growth, peak_worker, peak_total, len(readings))
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """The least-squares slope of ``ys`` against ``xs``, never negative (``None`` where the xs do not differ)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx) if sxx > 0 else None
 
 
 def latest_set(samples: Sequence[MemorySample]) -> Sequence[MemorySample]:

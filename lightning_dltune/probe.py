@@ -19,7 +19,7 @@ import torch
 from lightning_dltune import gpu
 from lightning_dltune._warn import warn_once
 from lightning_dltune.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set
+from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set, slope
 
 
 def worker_uss(pids: list[int]) -> list[float]:
@@ -56,13 +56,6 @@ SYNC_READ_WORKERS = 2
 CPU_SHARE_FAR = 0.02  # of one CPU the memory readings may take while the workers are far from the budget
 CPU_SHARE_NEAR = 0.10  # ... and once they hold 3/4 of it
 RECENT_READINGS = 6  # the running workers' growth is read over their latest readings, of any window
-
-
-def _slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """The least-squares slope of ``ys`` against ``xs``, never negative (``None`` where the xs do not differ)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx) if sxx > 0 else None
 
 
 class MemoryWatch:
@@ -116,7 +109,7 @@ class MemoryWatch:
         self.budget_bytes: float | None = None  # the memory budget (set by the budget check)
         self.ceiling_bytes = 0.0  # what one worker can come to hold: the training process's own footprint
         self.flight_bytes = 0.0  # one worker's batches in flight (set by the budget check)
-        self._stop, self._wake = threading.Event(), threading.Event()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def batch_taken(self) -> None:
@@ -149,8 +142,8 @@ class MemoryWatch:
                 # the first workers read, their growth not known: at most all they hold per batch taken
                 self._set_growth = total / (batches - self._built_at)
             if len(self._recent) >= 2:
-                self._set_growth = _slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
-                self._set_rate = _slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
+                self._set_growth = slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
+                self._set_rate = slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
             if built == self._built:
                 self._held_from = reading, batches
             if window == self._window:
@@ -233,7 +226,6 @@ class MemoryWatch:
     def start(self) -> None:
         if self._thread is None:
             self._stop.clear()
-            self._wake.clear()
             self._thread = threading.Thread(target=self._run, name="dltune-memory", daemon=True)
             self._thread.start()
 
@@ -260,18 +252,13 @@ class MemoryWatch:
             return []
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait(self.next_interval())
-            self._wake.clear()
-            if self._stop.is_set():
-                return
+        while not self._stop.wait(self.next_interval()):
             t0 = time.perf_counter()
             self.sample(most=THREAD_READ_WORKERS)
             self._read_s = time.perf_counter() - t0
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s + 5 * self._read_s + 1.0)
             self._thread = None
@@ -436,16 +423,18 @@ class Probe:
         if self._cpu0 is not None:
             (main0, kids0), (main1, kids1) = self._cpu0, self._cpu_seconds()
             stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
-        mem = self.memory.take(fresh)
-        stats = stats.with_memory(mem, self._batch_bytes or 0.0, self._footprint(), self.epoch_batches)
-        self.memory.ceiling_bytes = stats.main_mem_bytes
+        stats = self._with_memory(stats, self.memory.take(fresh), self._batch_bytes or 0.0)
         self._cpu0 = self._batch_bytes = None
         return stats
 
     def memory_only(self) -> WindowStats:
         """The memory part of a window once tuning ended (the budget is still held); starts the next."""
-        mem = self.memory.take(fresh=False)
-        stats = WindowStats().with_memory(mem, self._known_batch_bytes, self._footprint(), self.epoch_batches)
+        return self._with_memory(WindowStats(), self.memory.take(fresh=False), self._known_batch_bytes)
+
+    def _with_memory(self, stats: WindowStats, mem: WorkerMemory, batch_bytes: float) -> WindowStats:
+        """``stats`` with the window's worker memory and this process's footprint, which is also the most a worker is
+        counted to grow to by the check at each step (:attr:`MemoryWatch.ceiling_bytes`)."""
+        stats = stats.with_memory(mem, batch_bytes, self._footprint(), self.epoch_batches)
         self.memory.ceiling_bytes = stats.main_mem_bytes
         return stats
 
