@@ -417,21 +417,39 @@ def _as_fast(t: Trial, fastest: Trial, policy: Policy) -> bool:
     return slower <= min(max(policy.noise_floor * ref, noise), policy.min_gain * ref)
 
 
-def stay_on_running(trials: Sequence[Trial], best: Trial, policy: Policy = Policy(), in_place: bool = False) -> Trial:
-    """The running config (the last trial) instead of ``best`` where it is as fast within noise and differs from
-    ``best`` in workers or prefetch only: going back would restart the workers for no measured gain (the run-length
-    rule never pays for a switch that saves nothing), and the workers it keeps fit the budgets (they run). Not where
-    ``best`` is a start at 0 workers: moving away from loading in the training process needs a measured win
-    (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others. Nor where
-    going back changes only the prefetch and is made on the running workers (``in_place``): it restarts nothing."""
+def stay_on_running(
+    trials: Sequence[Trial],
+    best: Trial,
+    policy: Policy = Policy(),
+    in_place: bool = False,
+    remaining: int | None = None,
+    in_epoch: bool = False,
+) -> tuple[Trial, str]:
+    """The running config (the last trial) instead of ``best`` where it differs from ``best`` in workers or prefetch
+    only and going back would restart the workers for no measured gain, or for less than the restart costs: it is as
+    fast within noise, or what ``best`` saves per step over the ``remaining`` steps (when known) is less than its
+    loader takes to start (:func:`_wasted`, the run-length rule that every switch up obeys: the bursty benchmark
+    went from 13 workers to 16, measured them 1 ms a step slower, and went back to 13 between epochs, a new loader
+    and an epoch start with an empty pipeline, with 240 steps left). The workers it keeps fit the budgets (they
+    run). Not where ``best`` is a start at 0 workers: moving away from loading in the training process needs a
+    measured win (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others.
+    Nor where going back changes only the prefetch and is made on the running workers (``in_place``): it restarts
+    nothing. Returns the config to settle on, and why it stays on the running one ("" where it does not)."""
     last = trials[-1]
     user_default = best is trials[0] and best.settings.num_workers == 0
     if best is last or user_default or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
-        return best
+        return best, ""
     if in_place and last.settings.only_prefetch_differs(best.settings):
-        return best
+        return best, ""
     fastest = min((t for t in trials if t.usable), key=lambda t: t.compared_sec_per_sample)
-    return last if _as_fast(last, fastest, policy) else best
+    if _as_fast(last, fastest, policy):
+        return last, (
+            f"{best.settings.describe()} was as fast within noise, and going back would restart the workers for nothing"
+        )
+    samples_per_step = last.stats.samples / last.stats.steps
+    gain = (last.compared_sec_per_sample - best.compared_sec_per_sample) * samples_per_step
+    wasted = _wasted(trials, best.settings, gain, remaining, policy, in_epoch, in_place)
+    return (last, f"going back to {wasted}") if wasted is not None else (best, "")
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -678,7 +696,7 @@ def decide(
     best = pick_best(trials, policy, memory_limit)
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
-    cheapest, best = best, stay_on_running(trials, best, policy, in_place)
+    best, staying = stay_on_running(trials, best, policy, in_place, remaining_steps, in_epoch)
 
     budget_spent = len(trials) >= policy.max_trials
 
@@ -693,11 +711,8 @@ def decide(
         gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
         if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch, in_place) is None:
             return pin
-        if best is not cheapest:
-            reason += (
-                f"; staying on {best.settings.describe()}: {cheapest.settings.describe()} was as fast within noise, "
-                "and going back would restart the workers for nothing"
-            )
+        if staying:
+            reason += f"; staying on {best.settings.describe()}: {staying}"
         return Decision("settle", best.settings, reason, est)
 
     def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:

@@ -869,6 +869,23 @@ def test_workers_added_beside_the_running_ones_are_charged_only_their_own_start(
     assert (added.action, added.settings) == ("try", held.settings), added.reason
 
 
+def test_fewer_workers_measured_faster_are_gone_back_to_only_where_the_steps_left_pay_for_their_restart():
+    # the bursty benchmark: 13 workers, then 16 measured 1.1 ms a step slower (beyond noise). Going back to 13 is a
+    # new loader between epochs: its workers start again (0.05 s each, measured), and the epoch starts empty
+    thirteen = trial(13, 4.0, 7.2, steps=35, sem_ms=0.2)
+    thirteen = replace(thirteen, stats=replace(thirteen.stats, startup_s=0.65))
+    history = [trial(0, 60, 7.0, steps=3), thirteen, trial(16, 5.1, 7.2, steps=39, sem_ms=0.2)]
+    short = decide(history, BUDGET, remaining_steps=240)  # saves about 0.26 s, against a 0.65 s restart
+    assert (short.action, short.settings) == ("settle", cfg(16)), short.reason
+    assert "staying on workers=16 prefetch=2: going back to workers=13 prefetch=2 would save about 0.26 s" in (
+        short.reason
+    )
+    long = decide(history, BUDGET, remaining_steps=2000)  # 2.2 s saved: worth the restart
+    assert (long.action, long.settings) == ("settle", cfg(13)), long.reason
+    unknown = decide(history, BUDGET)  # a run of unknown length: the faster config
+    assert (unknown.action, unknown.settings) == ("settle", cfg(13)), unknown.reason
+
+
 def test_going_back_to_a_shallower_prefetch_on_the_running_workers_is_free_so_the_cheaper_config_is_chosen():
     history = [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 2.0, 10), trial(16, 1.9, 10, prefetch=4)]
     assert decide(history, BUDGET).settings == cfg(16, 4)  # a restart to go back: the running config stays
