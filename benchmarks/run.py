@@ -14,6 +14,7 @@ SIMULATED by a sleep in ``training_step`` (this machine has no GPU).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -342,6 +343,7 @@ def observe_overhead(epochs: int, reps: int) -> dict[str, Any]:
     for i in range(reps):
         order = names[i % 3 :] + names[: i % 3]
         for name in order[::-1] if (i // 3) % 2 else order:
+            gc.collect()  # every run starts from a collected heap: a collection of earlier runs' garbage is no arm's
             times[name].append(fit_once(w, 0, epochs, arms[name]()))
     return {
         **ratio_interval(times["tuner"], times["none"]),
