@@ -1087,6 +1087,11 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
     start = usable[0]
     final = next((t for t in reversed(usable) if t.settings == settled), usable[-1])
     fs = final.stats
+    # the config the quoted window ran on: a settle on fewer workers than the last measured (the memory budget's
+    # prediction) quotes that window under its own config's name, not under the one settled on
+    on = settled.describe()
+    if final.settings != settled:
+        on = f"{final.settings.describe()}, the last config measured ({settled.describe()}, settled on, was not)"
     th = policy.stall_threshold
     speedup = start.sec_per_sample / final.sec_per_sample if final.sec_per_sample > 0 else 1.0
     if fs.mean_other_s > max(fs.mean_step_s, fs.mean_wait_s) and fs.mean_other_s > 0.002:
@@ -1119,7 +1124,7 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
     if fs.effective_stall_frac <= th:
         return (
             f"input-bound at the start ({start.stats.effective_stall_frac:.0%} of the time waiting for data with "
-            f"{start.settings.describe()}); {settled.describe()} hides the loading "
+            f"{start.settings.describe()}); {on} hides the loading "
             f"(stall {fs.effective_stall_frac:.1%}, {speedup:.1f}x the throughput)."
         )
     est = estimate(usable, budget, policy)
@@ -1128,7 +1133,7 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         assert budget.memory_bytes is not None
         return (
             f"input-bound and held back by the memory budget: still {fs.effective_stall_frac:.0%} of the time "
-            f"waiting for data with {settled.describe()}, the model wants {est.needed_workers} workers and "
+            f"waiting for data with {on}, the model wants {est.needed_workers} workers and "
             f"{cap} fit {budget.memory_bytes / MiB:.0f} MiB: "
             f"{memory.describe_growth(est.memory, est.mem_life_batches, max(1, cap))}. {_memory_cause(est.memory)} "
             f"{_MEMORY_FIX}, or raise `max_memory`."
@@ -1136,7 +1141,7 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
     if binding.startswith("the shared") and cap <= settled.num_workers < est.needed_workers:
         return (
             f"input-bound and held back by {binding}: still {fs.effective_stall_frac:.0%} of the time waiting for data "
-            f"with {settled.describe()}, the model wants {est.needed_workers} workers. Free memory, make the "
+            f"with {on}, the model wants {est.needed_workers} workers. Free memory, make the "
             "dataset lighter per worker (lazy loading, numpy arrays instead of Python objects), or raise "
             "`max_memory` / the shared memory size (--shm-size, --ipc=host)."
         )
@@ -1144,10 +1149,10 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         return (
             f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "
             f"{budget.cpus:g} CPUs ({budget.bound_by}) cannot keep up with a {est.busy_s * 1e3:.1f} ms step "
-            f"(still {fs.effective_stall_frac:.0%} stalled with {settled.describe()}); make decoding cheaper, "
+            f"(still {fs.effective_stall_frac:.0%} stalled with {on}); make decoding cheaper, "
             "cache decoded data or give the job more CPUs."
         )
-    more = [t for t in usable if t.settings.num_workers > settled.num_workers]
+    more = [t for t in usable if t.settings.num_workers > final.settings.num_workers]  # measured beside the final
     no_help = more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more)
     hand = handover_s(usable, policy)
     # settled at 0 workers without trying any: receiving a batch from a worker would cost about what building it
@@ -1169,23 +1174,23 @@ def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, 
         )
     if no_help:
         return (
-            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
             f"({speedup:.1f}x the starting throughput), and more workers did not help: the host is saturated "
             "(CPU contention with the training process, or the storage's own limit)."
         )
     if est.needed_workers > budget.max_workers:
         return (
-            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
             f"({speedup:.1f}x the starting throughput); the model wants {est.needed_workers} workers but "
             f"`max_workers` is {budget.max_workers}: raise it if memory allows, or cut the storage latency."
         )
     if held:
         return (
             f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with "
-            f"{settled.describe()} ({speedup:.1f}x the starting throughput)."
+            f"{on} ({speedup:.1f}x the starting throughput)."
         )
     return (
-        f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {settled.describe()} "
+        f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
         f"({speedup:.1f}x the starting throughput); waits are bursty or the trial budget ran out: raise "
         "`max_trials` or `max_prefetch`, or reduce the latency tail of the storage."
     )

@@ -681,6 +681,19 @@ def with_mem(t, worker_mib, batch_mib=0.0, growth_mib=0.0, main_mib=0.0, epoch=0
     return replace(t, stats=t.stats.with_memory(mem, batch_mib * MiB, main_mib * MiB, epoch))
 
 
+def test_a_settle_on_workers_never_measured_quotes_the_window_under_the_config_it_ran_on():
+    # 4 workers measured, then predicted to outgrow the budget: the tuner settles on the 3 that fit, unmeasured. The
+    # stall quoted is the 4 workers' (not 3's), and 4 workers are not "more workers that did not help"
+    measured = [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(4, 20, 10), 60, growth_mib=0.5, epoch=40)]
+    text = diagnose(measured, cfg(3), Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20))
+    assert text.startswith(
+        "input-bound and held back by the memory budget: still 67% of the time waiting for data with workers=4 "
+        "prefetch=2, the last config measured (workers=3 prefetch=2, settled on, was not), the model wants"
+    ), text
+    text = diagnose(measured, cfg(3), BUDGET)  # no memory budget: the cap is max_workers'
+    assert "workers=4 prefetch=2, the last config measured" in text and "did not help" not in text, text
+
+
 @pytest.mark.parametrize(
     ("trials", "budget", "action", "expected", "why"),
     [
