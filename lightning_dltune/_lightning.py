@@ -586,8 +586,19 @@ def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
             reset(loader, first_iter)
         iterator._reset = reset  # type: ignore[attr-defined]  # once: later epochs reset as PyTorch does
 
+    reset_unless_fresh.reset = reset  # type: ignore[attr-defined]  # see reset_fresh_iterator
     iterator._reset = reset_unless_fresh  # type: ignore[attr-defined]
     return iterator
+
+
+def reset_fresh_iterator(loader: Any) -> bool:
+    """Let the next ``iter(loader)`` reset a new persistent iterator as PyTorch does, though it yielded nothing
+    (undoes :func:`_reset_once_used`): the batches its workers were handed are dropped. True when it will."""
+    if not keeps_fresh_iterator(loader):
+        return False
+    iterator: Any = loader._iterator
+    iterator._reset = iterator._reset.reset
+    return True
 
 
 def keeps_fresh_iterator(loader: Any) -> bool:

@@ -19,6 +19,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,7 +31,7 @@ from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader,
 from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.probe import Probe
-from lightning_dltune.seamless import Seamless
+from lightning_dltune.seamless import Seamless, draws_from_global
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, batches_left
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
@@ -583,8 +584,11 @@ class LoaderSwitcher:
         ``_lightning.keeps_fresh_iterator``) and drew only what this epoch draws (``Seamless.draws_base``): its
         draws stand. In the first epoch of a ``fit`` (a resumed one's too), and in an epoch where Lightning reloads the
         loader on its own (see :meth:`_as_untuned`) while it runs on the user's settings (tested observing), the user's
-        loader is asked for and iterated as the tuner's is: what the tuner's drew stands. (Such a reload while tuning
-        does not keep the untuned order yet: README, "Switching inside an epoch".)
+        loader is asked for and iterated as the tuner's is: what the tuner's drew stands. Where Lightning reloads on
+        its own and the tuner's loader runs on other settings, with workers, what that loader drew in ``setup_data``
+        is undone, what the user's loader draws there is drawn instead (:meth:`_draw_as_untuned_setup`), and the
+        new iterator is reset by the epoch loop's ``iter()``, drawing the epoch's order from there as the user's
+        loader does (its workers' first batches are dropped).
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
@@ -595,16 +599,41 @@ class LoaderSwitcher:
             self._first_epoch == trainer.current_epoch or LoaderSettings.from_loader(loader) == start
         ):
             return
-        if _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it: its draws are final
+        # Lightning reloaded on its own, and the tuner's loader runs on other settings, with workers: its draws are
+        # undone, the user's loader's in setup_data are made instead, and the epoch loop's iter() draws the order
+        reloaded = self._untuned_now.asked and saved is not None and loader.num_workers > 0
+        if not reloaded and _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it
             return
         if saved is not None:
             torch.set_rng_state(saved[0])
             if saved[1] is not None and loader.generator is not None:
                 loader.generator.set_state(saved[1])
+        if reloaded:
+            self._draw_as_untuned_setup()
+            if _lightning.reset_fresh_iterator(loader) and isinstance(loader.batch_sampler, ResumableBatchSampler):
+                loader.batch_sampler.redraw_epoch()  # from the state left here, as the user's loader draws it
+                self.seamless.forget()
         carried = self.seamless.carrying  # its generator's draw was made before the next order's (seamless)
         reused = _lightning.will_reuse_iterator(loader) or carried
         if not start.persistent_workers and reused and not (carried and loader.generator is not None):
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+
+    def _draw_as_untuned_setup(self) -> None:
+        """Draw what the user's loader draws when Lightning's ``setup_data`` creates or resets its iterator (an epoch
+        Lightning reloads the loader in on its own): a new iterator (no workers, workers that are not persistent, or
+        a new loader object) draws a base seed, and workers are handed the first batches at once, drawing the
+        epoch's order (which the epoch loop's ``iter()`` then draws again)."""
+        user = self._user_loader() if self._user_loader is not None else None
+        if user is None:
+            return
+        if user.num_workers == 0 or not user.persistent_workers or self._untuned_now.draws_base:
+            torch.empty((), dtype=torch.int64).random_(generator=user.generator)
+        sampler: Any = user.sampler
+        if user.num_workers > 0 and user.batch_sampler is not None:
+            if draws_from_global(sampler):  # not from a generator seamless epochs gave it to draw ahead
+                sampler.generator = None
+            for _ in islice(user.batch_sampler, user.num_workers * (user.prefetch_factor or 2)):  # as PyTorch hands
+                pass  # them out: past the epoch's end too, where a generator's sampler then draws once more
 
     def position_state(self) -> dict[str, Any]:
         """Where the running epoch is, for a checkpoint: the running loader's settings (a loader state Lightning

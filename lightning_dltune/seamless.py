@@ -108,7 +108,7 @@ class Seamless:
         sampler = loader.batch_sampler.sampler
         if self.setting is True or isinstance(sampler, SequentialSampler) or hasattr(sampler, "set_epoch"):
             return None
-        if _from_global(sampler):
+        if draws_from_global(sampler):
             if self.ahead_of_global:
                 return None
             return (
@@ -157,7 +157,7 @@ class Seamless:
         if self.setting is True and ours and not hasattr(sampler, "set_epoch"):
             sampler.generator = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
             sampler._dltune_seeded = True
-        elif self.setting == "auto" and _from_global(sampler):
+        elif self.setting == "auto" and draws_from_global(sampler):
             self._draw_from_global(sampler, epoch, ahead)
         if ahead < 1:
             return
@@ -227,6 +227,12 @@ class Seamless:
         self.carried += 1
         return carry[1]
 
+    def forget(self) -> None:
+        """The orders drawn ahead were forgotten and the random state put back by the caller (a loader whose
+        iteration is dropped before its first batch): nothing drawn ahead is left to put back or to check."""
+        self._saved = {}
+        self._global, self._expected = None, {}
+
     def drop(self) -> None:
         """Let go of a carried iterator (fit ends, a new loader is built)."""
         carry, self._carry = self._carry, None
@@ -247,7 +253,7 @@ def _batches(loader: DataLoader) -> ResumableBatchSampler:
     return cast(ResumableBatchSampler, loader.batch_sampler)
 
 
-def _from_global(sampler: Any) -> bool:
+def draws_from_global(sampler: Any) -> bool:
     """A RandomSampler that draws its seed from the global random state (no generator of its own, or only one
     given here for an order drawn ahead)."""
     if not isinstance(sampler, RandomSampler) or hasattr(sampler, "_dltune_seeded"):

@@ -164,6 +164,14 @@ class ResumableBatchSampler(BatchSampler):
         self.offset = 0
         return True
 
+    def redraw_epoch(self) -> None:
+        """The latest iteration is dropped before it yielded a batch to training (an iterator reset before its
+        first batch): the next ``__iter__`` begins the same epoch again, drawing its order then, and the orders
+        drawn ahead are forgotten."""
+        if self._order is not None and self._resume is None and self._resume_epoch is None:
+            self._epoch_no -= 1
+            self._order, self._upcoming = None, {}
+
     def forget_upcoming(self) -> bool:
         """Drop the orders drawn ahead (no iteration will use them); True when there were any."""
         drawn, self._upcoming = bool(self._upcoming), {}

@@ -98,13 +98,15 @@ def test_tuned_with_seamless_epochs_every_epoch_trains_what_an_untuned_run_train
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # the user's loader creates an iterator every epoch, or once
-def test_a_loader_built_anew_for_every_epoch_trains_what_an_untuned_run_trains(tmp_path, untuned_5, workers):
+def test_a_loader_built_anew_for_every_epoch_trains_what_an_untuned_run_trains(tmp_path, workers):
     # Lightning builds the train loader again every epoch (the user's reload flag): each epoch's loader creates its
     # iterator, and its workers are handed that epoch's first batches (the order drawn) before on_train_epoch_start.
-    # A persistent user loader draws its workers' base seed from the generator once, a new loader every epoch
-    untuned = untuned_5 if workers == 0 else fit(tmp_path / "untuned", [], epochs=5, workers=workers)
-    tuner = DataLoaderTuner()
+    # A persistent user loader draws its workers' base seed from the generator once, a new loader every epoch. The
+    # run without the tuner reloads too: Lightning iterates the user's loader twice in such an epoch (`setup_data`
+    # and the epoch loop), so its orders are not those of a run that never reloads
     reload = {"reload_dataloaders_every_n_epochs": 1}
+    untuned = fit(tmp_path / "untuned", [], epochs=5, workers=workers, trainer_kw=reload)
+    tuner = DataLoaderTuner()
     tuned = fit(tmp_path / "tuned", [tuner], epochs=5, workers=workers, trainer_kw=reload)
     assert tuned.epochs == untuned.epochs, described(tuner)
     assert tuner.best_settings["num_workers"] > workers, described(tuner)
@@ -276,7 +278,7 @@ class HookModel(Dropout):
 
     def __init__(self, new_each, **loader):
         super().__init__(step_ms=5.0)
-        self.dataset, self.loader = SyntheticDataset(320, latency_ms=5.0), loader
+        self.dataset, self.loader = SyntheticDataset(320, latency_ms=2.0), loader
         self.new_each, self.dl = new_each, None
 
     def train_dataloader(self):
@@ -317,20 +319,38 @@ def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it
     assert calls[1] == sorted({*calls[0], *asked}), (calls, asked)
 
 
+def reloaded_every_epoch(tmp_path, callbacks, workers, new_each):
+    """Each epoch's indices of a fit whose LightningModule hook Lightning asks for the loader at every epoch."""
+    loader = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+    pl.seed_everything(0)
+    record = Epochs()
+    reload = {"reload_dataloaders_every_n_epochs": 1}
+    trainer = make_trainer(tmp_path, [*callbacks, record], max_epochs=4, logger=False, **reload)
+    trainer.fit(HookModel(new_each, **loader))
+    return record.epochs
+
+
+@pytest.fixture(scope="module")
+def without_tuner(tmp_path_factory):
+    runs = {}
+    return lambda workers, new_each: runs.setdefault(
+        (workers, new_each), reloaded_every_epoch(tmp_path_factory.mktemp("untuned"), [], workers, new_each)
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 2])  # persistent with 2
 @pytest.mark.parametrize("new_each", [True, False])
-def test_observing_a_loader_lightning_reloads_every_epoch_trains_what_a_run_without_the_tuner_trains(
-    tmp_path, workers, new_each
+@pytest.mark.parametrize("observe_only", [True, False])
+def test_a_loader_lightning_reloads_every_epoch_trains_what_a_run_without_the_tuner_trains(
+    tmp_path, without_tuner, workers, new_each, observe_only
 ):
-    # Lightning asks the hook again at every epoch and iterates the loader twice (`setup_data` and the epoch loop), as
-    # it does for the tuner's: what the tuner's loader draws then stands (it was rewound, and the order changed)
-    loader = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
-    runs = []
-    for callbacks in ([], [DataLoaderTuner(observe_only=True)]):
-        pl.seed_everything(0)
-        record = Epochs()
-        reload = {"reload_dataloaders_every_n_epochs": 1}
-        trainer = make_trainer(tmp_path / str(len(runs)), [*callbacks, record], max_epochs=4, logger=False, **reload)
-        trainer.fit(HookModel(new_each, **loader))
-        runs.append(record.epochs)
-    assert runs[0] == runs[1]
+    # Lightning asks the hook again at every epoch and iterates the loader twice (`setup_data` and the epoch loop).
+    # Observing, the tuner's loader is the user's, and what it draws then stands. Tuning, it runs on other settings:
+    # what it drew in `setup_data` is undone, what the user's loader draws there (a base seed, an order its workers
+    # are handed) is drawn instead, and its iterator is reset so that the epoch loop draws the epoch's order as
+    # the user's loader does. No generator: every draw is from the global state, which dropout draws from too
+    tuner = DataLoaderTuner(observe_only=observe_only)  # the argument under test (observing, or the default)
+    tuned = reloaded_every_epoch(tmp_path, [tuner], workers, new_each)
+    assert tuned == without_tuner(workers, new_each), described(tuner)
+    if not observe_only:  # on other settings than the user's, from the second epoch on
+        assert tuner.best_settings["num_workers"] not in (workers, 0), described(tuner)
