@@ -424,7 +424,7 @@ def stay_on_running(
     in_place: bool = False,
     remaining: int | None = None,
     in_epoch: bool = False,
-) -> tuple[Trial, str]:
+) -> tuple[Trial, str, bool]:
     """The running config (the last trial) instead of ``best`` where it differs from ``best`` in workers or prefetch
     only and going back would restart the workers for no measured gain, or for less than the restart costs: it is as
     fast within noise, or what ``best`` saves per step over the ``remaining`` steps (when known) is less than its
@@ -434,22 +434,24 @@ def stay_on_running(
     run). Not where ``best`` is a start at 0 workers: moving away from loading in the training process needs a
     measured win (:func:`pick_best`); a start with workers (the user's, or the cache's) is one config among others.
     Nor where going back changes only the prefetch and is made on the running workers (``in_place``): it restarts
-    nothing. Returns the config to settle on, and why it stays on the running one ("" where it does not)."""
+    nothing. Returns the config to run on, why it stays on the running one ("" where it does not), and whether it
+    stays only for the steps left (then ``best``, measured faster, is the result a longer run goes on to: a hold)."""
     last = trials[-1]
     user_default = best is trials[0] and best.settings.num_workers == 0
     if best is last or user_default or not last.usable or last.settings.pin_memory != best.settings.pin_memory:
-        return best, ""
+        return best, "", False
     if in_place and last.settings.only_prefetch_differs(best.settings):
-        return best, ""
+        return best, "", False
     fastest = min((t for t in trials if t.usable), key=lambda t: t.compared_sec_per_sample)
     if _as_fast(last, fastest, policy):
-        return last, (
+        why = (
             f"{best.settings.describe()} was as fast within noise, and going back would restart the workers for nothing"
         )
+        return last, why, False
     samples_per_step = last.stats.samples / last.stats.steps
     gain = (last.compared_sec_per_sample - best.compared_sec_per_sample) * samples_per_step
     wasted = _wasted(trials, best.settings, gain, remaining, policy, in_epoch, in_place)
-    return (last, f"going back to {wasted}") if wasted is not None else (best, "")
+    return (last, f"going back to {wasted}", True) if wasted is not None else (best, "", False)
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -696,7 +698,8 @@ def decide(
     best = pick_best(trials, policy, memory_limit)
     if last.failed is not None:
         return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
-    best, staying = stay_on_running(trials, best, policy, in_place, remaining_steps, in_epoch)
+    chosen = best
+    best, staying, for_the_steps_left = stay_on_running(trials, best, policy, in_place, remaining_steps, in_epoch)
 
     budget_spent = len(trials) >= policy.max_trials
 
@@ -711,6 +714,8 @@ def decide(
         gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
         if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch, in_place) is None:
             return pin
+        if for_the_steps_left:  # the run stays on the running config; the one measured faster is the result
+            return Decision("hold", chosen.settings, f"{reason}; {staying}", est)
         if staying:
             reason += f"; staying on {best.settings.describe()}: {staying}"
         return Decision("settle", best.settings, reason, est)

@@ -105,7 +105,7 @@ class LoaderSwitcher:
         self._growing = False  # workers added in place are starting (their steps are start-up)
         self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
         self._times_spoiled = False  # this step fetched twice: its samples are not timed
-        self._rng_before_build: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._rng_before_build: list[tuple[torch.Generator | None, torch.Tensor]] | None = None
         self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
         self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
         self.restored_loader: LoaderSettings | None = None  # the running loader's, in a checkpoint (its state's)
@@ -178,8 +178,7 @@ class LoaderSwitcher:
                 "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
                 "with `DataLoaderTuner(tune_iterable=True)`",
             )
-        gen = loader.generator
-        self._rng_before_build = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+        self._rng_before_build = _random_states(loader)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
         loader = self._rebuilt(loader, current, self._build_settings(loader))
@@ -585,55 +584,64 @@ class LoaderSwitcher:
         draws stand. In the first epoch of a ``fit`` (a resumed one's too), and in an epoch where Lightning reloads the
         loader on its own (see :meth:`_as_untuned`) while it runs on the user's settings (tested observing), the user's
         loader is asked for and iterated as the tuner's is: what the tuner's drew stands. Where Lightning reloads on
-        its own and the tuner's loader runs on other settings, with workers, what that loader drew in ``setup_data``
-        is undone, what the user's loader draws there is drawn instead (:meth:`_draw_as_untuned_setup`), and the
-        new iterator is reset by the epoch loop's ``iter()``, drawing the epoch's order from there as the user's
-        loader does (its workers' first batches are dropped).
+        its own onto a loader of the tuner's (on other settings, or on the user's with the tuner's batch sampler),
+        what that loader drew in ``setup_data`` is undone, what the user's loader draws there is drawn instead, and
+        the epoch loop's ``iter()`` draws the epoch's order from there as the user's loader does
+        (:meth:`_draw_as_untuned_setup`).
         """
         saved, self._rng_before_build = self._rng_before_build, None
         trainer, start = self.trainer, self.state.start
         loader = trainer.train_dataloader if trainer is not None else None
         if trainer is None or start is None or not isinstance(loader, DataLoader):
             return
-        if self._untuned_now.asked and (
-            self._first_epoch == trainer.current_epoch or LoaderSettings.from_loader(loader) == start
-        ):
+        ours = loader in self._built or LoaderSettings.from_loader(loader) != start
+        if self._untuned_now.asked and (self._first_epoch == trainer.current_epoch or not ours):
             return
-        # Lightning reloaded on its own, and the tuner's loader runs on other settings, with workers: its draws are
-        # undone, the user's loader's in setup_data are made instead, and the epoch loop's iter() draws the order
-        reloaded = self._untuned_now.asked and saved is not None and loader.num_workers > 0
+        # Lightning reloaded on its own, onto a loader of the tuner's (other settings, or only its batch sampler):
+        # what that loader drew in setup_data is undone, the user's loader's draws there are made instead, and the
+        # epoch loop's iter() draws the epoch's order from there
+        reloaded = self._untuned_now.asked and saved is not None
         if not reloaded and _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it
             return
-        if saved is not None:
-            torch.set_rng_state(saved[0])
-            if saved[1] is not None and loader.generator is not None:
-                loader.generator.set_state(saved[1])
+        for generator, state in saved or []:
+            if generator is None:
+                torch.set_rng_state(state)
+            else:
+                generator.set_state(state)
         if reloaded:
-            self._draw_as_untuned_setup()
-            if _lightning.reset_fresh_iterator(loader) and isinstance(loader.batch_sampler, ResumableBatchSampler):
-                loader.batch_sampler.redraw_epoch()  # from the state left here, as the user's loader draws it
-                self.seamless.forget()
+            self._draw_as_untuned_setup(loader, start)
         carried = self.seamless.carrying  # its generator's draw was made before the next order's (seamless)
         reused = _lightning.will_reuse_iterator(loader) or carried
         if not start.persistent_workers and reused and not (carried and loader.generator is not None):
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
-    def _draw_as_untuned_setup(self) -> None:
-        """Draw what the user's loader draws when Lightning's ``setup_data`` creates or resets its iterator (an epoch
-        Lightning reloads the loader in on its own): a new iterator (no workers, workers that are not persistent, or
-        a new loader object) draws a base seed, and workers are handed the first batches at once, drawing the
-        epoch's order (which the epoch loop's ``iter()`` then draws again)."""
-        user = self._user_loader() if self._user_loader is not None else None
-        if user is None:
+    def _draw_as_untuned_setup(self, loader: DataLoader, start: LoaderSettings) -> None:
+        """Draw what the user's loader (on ``start``, the user's settings) draws when Lightning's ``setup_data``
+        creates or resets its iterator, in an epoch Lightning reloads the loader in on its own: a new iterator (no
+        workers, workers that are not persistent, or a new loader object) draws a base seed, and workers are handed
+        their first batches at once, drawing the epoch's order (which the epoch loop's ``iter()`` draws again). From
+        the sampler ``loader`` (the tuner's) iterates: under DDP, the ``DistributedSampler`` Lightning put in. The
+        tuner's own iteration from ``setup_data`` is dropped: the epoch loop's ``iter()`` begins the epoch again
+        (a new iterator that has yielded nothing is reset, its workers' first batches dropped). Not exact where the
+        tuner's loader has no workers and the user's has persistent ones: that loader's next iterator draws a base
+        seed, where the user's is only reset."""
+        batches = loader.batch_sampler
+        if start.num_workers == 0 or not start.persistent_workers or self._untuned_now.draws_base:
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        if not isinstance(batches, ResumableBatchSampler):
             return
-        if user.num_workers == 0 or not user.persistent_workers or self._untuned_now.draws_base:
-            torch.empty((), dtype=torch.int64).random_(generator=user.generator)
-        sampler: Any = user.sampler
-        if user.num_workers > 0 and user.batch_sampler is not None:
+        sampler: Any = batches.sampler
+        if start.num_workers > 0:
             if draws_from_global(sampler):  # not from a generator seamless epochs gave it to draw ahead
                 sampler.generator = None
-            for _ in islice(user.batch_sampler, user.num_workers * (user.prefetch_factor or 2)):  # as PyTorch hands
-                pass  # them out: past the epoch's end too, where a generator's sampler then draws once more
+            handed = BatchSampler(sampler, batches.batch_size, batches.drop_last)
+            for _ in islice(handed, start.num_workers * (start.prefetch_factor or 2)):  # as PyTorch hands them out:
+                pass  # past the epoch's end too, where a sampler with a generator then draws once more
+        if _lightning.reset_fresh_iterator(loader):
+            batches.redraw_epoch()
+        else:
+            batches.forget_upcoming()
+        self.seamless.forget()
 
     def position_state(self) -> dict[str, Any]:
         """Where the running epoch is, for a checkpoint: the running loader's settings (a loader state Lightning
@@ -702,3 +710,12 @@ def is_last_epoch(trainer: "pl.Trainer") -> bool:
     """Whether the running epoch is the last of ``fit`` (by ``max_epochs``)."""
     max_epochs = trainer.max_epochs
     return max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+
+
+def _random_states(loader: DataLoader) -> list[tuple[torch.Generator | None, torch.Tensor]]:
+    """The random states ``loader``'s iteration draws from, to put back: the global one (``None``), the loader's
+    generator, and its sampler's own (not one seamless epochs gave it to draw ahead)."""
+    sampler = getattr(loader, "sampler", None)
+    own = None if draws_from_global(sampler) else getattr(sampler, "generator", None)
+    generators = {id(g): g for g in (loader.generator, own) if isinstance(g, torch.Generator)}
+    return [(None, torch.get_rng_state()), *((g, g.get_state()) for g in generators.values())]

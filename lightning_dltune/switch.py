@@ -71,6 +71,7 @@ class ResumableBatchSampler(BatchSampler):
         self._before_draw: Callable[[int], None] = lambda ahead: None
         self._goes_on: Callable[[int], bool] = lambda ahead: True  # whether the fit trains past epoch `ahead`
         self._epoch_no = 0  # the number of the epoch `_order` belongs to (counted by this sampler)
+        self._began_epoch = False  # the latest iteration began epoch `_epoch_no` (not a resume of it)
         self._upcoming: dict[int, array] = {}
         self.live = Iteration()  # the latest iteration: how far it has yielded, where it is cut (see `cut`)
 
@@ -86,6 +87,7 @@ class ResumableBatchSampler(BatchSampler):
 
     def _batches(self, it: Iteration) -> Iterator[list[int]]:
         start, self._resume = self._resume, None
+        self._began_epoch = False  # (see redraw_epoch)
         if self._resume_epoch is not None:  # a new epoch's order, drawn for that epoch, resumed part-way
             (epoch, start), self._resume_epoch = self._resume_epoch, None
             if hasattr(self.sampler, "set_epoch"):
@@ -94,6 +96,7 @@ class ResumableBatchSampler(BatchSampler):
         elif start is None or self._order is None:  # a new epoch from its start
             start = 0
             self._begin_next_epoch()
+            self._began_epoch = True
         epoch_no, order = self._epoch_no, self._order
         assert order is not None  # drawn above, or kept from the epoch being resumed
         n = len(self)
@@ -166,11 +169,12 @@ class ResumableBatchSampler(BatchSampler):
 
     def redraw_epoch(self) -> None:
         """The latest iteration is dropped before it yielded a batch to training (an iterator reset before its
-        first batch): the next ``__iter__`` begins the same epoch again, drawing its order then, and the orders
-        drawn ahead are forgotten."""
-        if self._order is not None and self._resume is None and self._resume_epoch is None:
+        first batch): where it began an epoch, the next ``__iter__`` begins that epoch again, drawing its order
+        then; the orders drawn ahead are forgotten."""
+        if self._began_epoch:
             self._epoch_no -= 1
-            self._order, self._upcoming = None, {}
+            self._order, self._began_epoch = None, False
+        self._upcoming = {}
 
     def forget_upcoming(self) -> bool:
         """Drop the orders drawn ahead (no iteration will use them); True when there were any."""

@@ -140,6 +140,19 @@ class Steady(SimulatedModel):
         super().__init__(step_ms=step_ms)
 
 
+@pytest.mark.parametrize("new_each", [True, False])
+def test_a_loader_lightning_reloads_on_the_users_own_settings_trains_what_a_run_without_the_tuner_trains(
+    tmp_path, without_tuner, new_each
+):
+    # settled at once on the user's 2 persistent workers (a stall under the threshold): the loader is still the
+    # tuner's (its batch sampler), which keeps the iterator setup_data made, where the user's loader is reset by the
+    # epoch loop and draws its order again
+    tuner = DataLoaderTuner(stall_threshold=0.99)  # the argument under test: settle on the user's settings
+    tuned = reloaded_every_epoch(tmp_path, [tuner], 2, new_each)
+    assert tuner.best_settings["num_workers"] == 2 and tuner.phase == "settled", described(tuner)
+    assert tuned == without_tuner(2, new_each), described(tuner)
+
+
 @pytest.mark.parametrize("workers", [0, 2])  # the user's loader creates an iterator every epoch, or once
 def test_a_sampler_drawing_from_the_global_state_is_drawn_ahead_when_training_leaves_that_state_alone(
     tmp_path, workers
@@ -282,7 +295,9 @@ class HookModel(Dropout):
         self.new_each, self.dl = new_each, None
 
     def train_dataloader(self):
-        if self.dl is None or self.new_each:
+        if self.new_each:  # nothing else holds it: Lightning keeps the loader the tuner returns for it
+            return DataLoader(self.dataset, batch_size=16, shuffle=True, **self.loader)
+        if self.dl is None:
             self.dl = DataLoader(self.dataset, batch_size=16, shuffle=True, **self.loader)
         return self.dl
 
