@@ -74,7 +74,10 @@ def test_a_fit_draws_its_run_next_to_the_report_and_tensorboard_gets_the_text_an
     for key in ("stall_frac", "samples_per_s", "num_workers"):
         logged = [(e.step, e.value) for e in events.Scalars(f"dltune/{key}")]
         assert [s for s, _ in logged] == series["step"]
-        assert [v for _, v in logged] == pytest.approx(series[key], abs=0.005)  # the series rounds to 2 decimals
+        # the series rounds to 2 decimals (0.005 at most), and TensorBoard keeps float32 (a relative 2**-24: CI saw
+        # 2152.385009765625 logged against 2152.38 in the series, 0.00501 apart)
+        far = [(v, x) for (_, v), x in zip(logged, series[key], strict=True) if abs(v - x) > 0.005 + abs(x) * 2**-23]
+        assert not far, (key, far)
 
     # the Text tab: the diagnosis and the summary table in a code block
     (text_tag,) = [t for t in events.Tags()["tensors"] if t.startswith(SUMMARY_TAG)]
