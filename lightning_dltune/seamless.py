@@ -228,8 +228,8 @@ class Seamless:
         return carry[1]
 
     def forget(self) -> None:
-        """The orders drawn ahead were forgotten and the random state put back by the caller (a loader whose
-        iteration is dropped before its first batch): nothing drawn ahead is left to put back or to check."""
+        """The orders drawn ahead were forgotten and the random state put back (by :meth:`_drop`, or by the caller: a
+        loader whose iteration is dropped before its first batch): nothing drawn ahead is left to put back or check."""
         self._saved = {}
         self._global, self._expected = None, {}
 
@@ -243,8 +243,7 @@ class Seamless:
         if _batches(loader).forget_upcoming() and self._saved:
             for g, state in self._saved[min(self._saved)]:  # as before the first order drawn ahead
                 g.set_state(state)
-        self._saved = {}
-        self._global, self._expected = None, {}
+        self.forget()
         self._shutdown(loader, inner)  # a persistent loader's own iterator is reset at the next epoch instead
 
 

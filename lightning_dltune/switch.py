@@ -174,7 +174,7 @@ class ResumableBatchSampler(BatchSampler):
         if self._began_epoch:
             self._epoch_no -= 1
             self._order, self._began_epoch = None, False
-        self._upcoming = {}
+        self.forget_upcoming()
 
     def forget_upcoming(self) -> bool:
         """Drop the orders drawn ahead (no iteration will use them); True when there were any."""

@@ -35,7 +35,8 @@ def fit(tmp_path, epochs, ckpt_path=None, tuner=None, dm=None, spy=None, every_n
 def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_tune(tmp_path):
     # a 50% threshold settles after the first jump: no near-threshold stall left for the run length to judge (at
     # 20%, the 9-10 workers of the jump stalled 10-14% alone, and past 20% once in a full suite on a busy host: the
-    # next config would not have paid in the steps left, and the run held instead of settling)
+    # next config would not have paid in the steps left, and the run held instead of settling). The default threshold
+    # (5%) is what the other resumes here run with; cache off as in `fit` (see there)
     first, _ = fit(tmp_path, epochs=3, tuner=DataLoaderTuner(cache=False, stall_threshold=0.5))
     assert first.phase == "settled", [(t.settings.describe(), t.stats.steps, t.decision) for t in first.trials]
     spy = LoaderSpy()
@@ -44,7 +45,7 @@ def test_resumed_after_settling_it_starts_on_the_settled_settings_and_does_not_t
         epochs=5,
         ckpt_path=tmp_path / "ckpt" / "last.ckpt",
         spy=spy,
-        tuner=DataLoaderTuner(cache=False, stall_threshold=0.5),
+        tuner=DataLoaderTuner(cache=False, stall_threshold=0.5),  # as the first fit: the same run, resumed
     )
     assert len(second.trials) == len(first.trials)  # zero tuning trials after resume
     assert second.best_settings == first.best_settings
