@@ -80,6 +80,7 @@ TORCH_WORKER_STATE: tuple[str, ...] = (
     "_send_idx",
     "_rcvd_idx",
     "_in_order",
+    "_num_yielded",
 )
 WORKER_LOOP_PARAMETERS: tuple[str, ...] = (
     "dataset_kind",
@@ -576,19 +577,30 @@ def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
     ``iter(loader)`` twice in an epoch that reloads its loader (``setup_data`` and the epoch loop), and for a
     persistent loader the second call resets the iterator just created, whose workers were already handed the
     epoch's first batches: the batch sampler would begin a second epoch, and draw its order (a run that never
-    reloaded draws one). Fresh, the iterator already is what the reset would make it."""
-    reset = getattr(iterator, "_reset", None)
-    if reset is None or not hasattr(iterator, "_num_yielded"):
+    reloaded draws one). Fresh, the iterator already is what the reset would make it.
+
+    The patch holds the iterator weakly: a reference cycle would keep its workers alive until a garbage collection
+    (a non-persistent iterator is never reset again, and a failed ``fit`` drops it without shutting it down)."""
+    if getattr(iterator, "_reset", None) is None or not hasattr(iterator, "_num_yielded"):
         return iterator
+    reset = type(iterator)._reset  # type: ignore[attr-defined]
+    ref = weakref.ref(iterator)
 
     def reset_unless_fresh(loader: Any, first_iter: bool = False) -> None:
-        if first_iter or iterator._num_yielded > 0:
-            reset(loader, first_iter)
-        iterator._reset = reset  # type: ignore[attr-defined]  # once: later epochs reset as PyTorch does
+        it: Any = ref()
+        if it is None:
+            return
+        _reset_as_pytorch_does(it)  # once: later epochs reset as PyTorch does
+        if first_iter or it._num_yielded > 0:
+            reset(it, loader, first_iter)
 
-    reset_unless_fresh.reset = reset  # type: ignore[attr-defined]  # see reset_fresh_iterator
     iterator._reset = reset_unless_fresh  # type: ignore[attr-defined]
     return iterator
+
+
+def _reset_as_pytorch_does(iterator: Any) -> None:
+    """Undo :func:`_reset_once_used`: ``iterator._reset`` is its class's method again."""
+    vars(iterator).pop("_reset", None)
 
 
 def reset_fresh_iterator(loader: Any) -> bool:
@@ -596,8 +608,7 @@ def reset_fresh_iterator(loader: Any) -> bool:
     (undoes :func:`_reset_once_used`): the batches its workers were handed are dropped. True when it will."""
     if not keeps_fresh_iterator(loader):
         return False
-    iterator: Any = loader._iterator
-    iterator._reset = iterator._reset.reset
+    _reset_as_pytorch_does(loader._iterator)
     return True
 
 
@@ -621,6 +632,11 @@ def shutdown_unless_held(loader: DataLoader, iterator: Iterator[Any]) -> None:
     next ``iter()``."""
     if getattr(loader, "_iterator", None) is not iterator:
         shutdown_iterator(iterator)
+
+
+def batches_yielded(iterator: Iterator[Any]) -> int:
+    """How many batches a loader iterator has yielded since its epoch began (0 for another kind of iterator)."""
+    return int(getattr(iterator, "_num_yielded", 0))
 
 
 def will_reuse_iterator(loader: Any) -> bool:

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dltune._warn import reset_warnings
+from lightning_dltune._warn import reset_warnings, warn_once
 from lightning_dltune.agree import Agreement
 from lightning_dltune.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.cache import RunCache
@@ -59,7 +60,7 @@ class DataLoaderTuner(Callback):
             waiting on storage wants more workers than cores.
         max_prefetch: ceiling on ``prefetch_factor``.
         max_memory: memory the loader's workers (and pinned buffers) may add: a fraction of what this process
-            could still take (``0.5`` by default, honouring a cgroup ``memory.max``), or bytes when > 1. Each
+            could still take (``0.5`` by default, honouring a cgroup ``memory.max``), or bytes (at least 1 MiB). Each
             worker's unique memory (USS) is measured, and a config predicted to exceed this is never tried.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
@@ -80,8 +81,9 @@ class DataLoaderTuner(Callback):
             ``~/.cache/lightning-dltune/cache.json``, a path uses that file, ``False`` disables it. A run whose
             key (host CPUs and memory, accelerator, dataset class and length, batch size, local world size,
             library version) is cached starts from the cached settings and only verifies them.
-        report_path: where to write the JSON report; ``None`` writes ``dltune_report.json`` in the logger's
-            directory (or ``default_root_dir``), ``False`` writes none.
+        report_path: the file to write the JSON report to; ``None`` writes ``dltune_report.json`` in the logger's
+            directory (or ``default_root_dir``), ``False`` writes none. A path that cannot be written when ``fit``
+            ends is one warning: ``fit`` returns as it would without the tuner.
         verbose: print the summary table and diagnosis when tuning settles.
         plot: after ``fit``, draw the run (stall, samples/s and ``num_workers`` over steps, config changes marked,
             the diagnosis as caption) as a PNG next to the report (``dltune_report.png``), when matplotlib is
@@ -95,7 +97,8 @@ class DataLoaderTuner(Callback):
             but not the order a run without the tuner draws). ``False``: off.
 
     Raises:
-        ValueError: if an argument is outside its allowed values.
+        ValueError: if an argument is outside its allowed values (``TypeError``: of the wrong type).
+        MisconfigurationException: in ``setup``, if the ``Trainer`` holds another ``DataLoaderTuner``.
 
     Attributes:
         best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
@@ -169,8 +172,7 @@ class DataLoaderTuner(Callback):
         plot: bool = True,
         seamless_epochs: bool | str = "auto",
     ) -> None:
-        args = (stall_threshold, max_trials, max_workers, max_prefetch, max_memory, min_steps, mode, window_steps)
-        check_tuner_arguments(*args, plot, seamless_epochs)
+        check_tuner_arguments(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
         self._state_key = self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=max_workers)
@@ -207,6 +209,12 @@ class DataLoaderTuner(Callback):
     # --- set-up and tear-down -----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        tuners = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, DataLoaderTuner)]
+        if len(tuners) > 1:  # each would rebuild the loader, and report a config the other one replaced
+            raise MisconfigurationException(
+                f"`Trainer(callbacks=...)` holds {len(tuners)} DataLoaderTuner callbacks; one tunes the run's loaders. "
+                "Keep one, with the arguments you want."
+            )
         if stage != "fit":
             return
         self.state.begin_fit()
@@ -227,6 +235,7 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self.switcher.shutdown()  # the exception's traceback would keep the running workers alive until a collection
         self._release()  # Lightning calls no teardown hook after an exception
 
     def _release(self) -> None:
@@ -409,5 +418,19 @@ class DataLoaderTuner(Callback):
         log_dir = trainer.log_dir if self.report_path is None else None
         path = report_path(self.report_path, log_dir, trainer.default_root_dir)
         if path is not None and trainer.is_global_zero:
-            self.report_file = write_json_atomic(path, self.report)
-            self.view.draw(self.report, self.report_file)
+            self.report_file = self._write_report(path, self.report)
+            if self.report_file is not None:
+                self.view.draw(self.report, self.report_file)
+
+    @staticmethod
+    def _write_report(path: Path, report: dict[str, Any]) -> Path | None:
+        """Write the report; a path that cannot be written is one warning, not a failed ``fit`` after training."""
+        try:
+            return write_json_atomic(path, report)
+        except OSError as ex:
+            warn_once(
+                f"report-write-{path}",
+                f"DataLoaderTuner: cannot write the report {path} ({ex.strerror or ex}); training's result is kept. "
+                "Pass `DataLoaderTuner(report_path=...)` a file in a writable directory, or `report_path=False`.",
+            )
+            return None

@@ -51,8 +51,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _version() -> str:
+    """This package's version, with the torch and Lightning it runs on (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from lightning_dltune import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"lightning-dltune {__version__} (torch {installed('torch')}, lightning {installed('lightning')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dltune", description="Measure and tune PyTorch DataLoaders.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small model from num_workers=0 with DataLoaderTuner attached")

@@ -34,7 +34,7 @@ from lightning_dltune.probe import Probe
 from lightning_dltune.seamless import Seamless, draws_from_global
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, batches_left
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler, ShardCheck, apart_from_global
 
 __all__ = [
     "LoaderSwitcher",
@@ -90,6 +90,7 @@ class LoaderSwitcher:
         self.resumable = False  # the train loader has a ResumableBatchSampler
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
+        self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
         self._pending: LoaderSettings | None = None
         self._behind = False  # the pending switch may start its loader in the background (see `switch`)
         self.behind = 0  # switches whose loader started in the background
@@ -152,6 +153,23 @@ class LoaderSwitcher:
             restore()
         self._restores = []
 
+    def shutdown(self) -> None:
+        """Stop every worker set this switcher holds or made, now: the running iterator, a background start, one
+        carried for seamless epochs, and the persistent workers of the loaders it built. After a failed ``fit``
+        nothing else stops them until a garbage collection (the exception's traceback holds the running iterator)."""
+        guard = self._guarded
+        held = [self.seamless.carried_iterator]
+        if guard is not None:
+            held += [guard.inner, guard.next[1] if guard.next is not None else None]
+        if self.trainer is not None:  # the loop's own, where the tuner did not guard it
+            running = _lightning.train_iterator(self.trainer)
+            held.append(running.inner if isinstance(running, GuardedIterator) else running)
+        for iterator in held:
+            if iterator is not None:
+                _lightning.shutdown_iterator(iterator)
+        for loader in list(self._built):
+            _lightning.shutdown_workers(loader)
+
     def _tuner_sets_workers(self) -> bool:
         return self.state.switching and self.state.target is not None and self.state.target != self.state.start
 
@@ -183,7 +201,8 @@ class LoaderSwitcher:
             _lightning.quiet_worker_check(self._said_why(loader))
         loader = self._rebuilt(loader, current, self._build_settings(loader))
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
-        self._guard_needed = self.resumable  # also when no epoch start follows (Lightning resuming mid-epoch)
+        self._check_shards = isinstance(loader.dataset, IterableDataset) and self._tuner_added_workers(loader)
+        self._guard_needed = self.resumable or self._check_shards  # also where no epoch start follows (a resume)
         self.seamless.attach(loader)
         self._fresh = True
         if self.resumable and self.restored_epoch is not None:
@@ -392,7 +411,7 @@ class LoaderSwitcher:
         self._put_back_reload = None
         self._train_began()
         self._keep_rng_as_untuned()
-        self._guard_needed = self.resumable
+        self._guard_needed = self.resumable or self._check_shards
         self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
         self._times_spoiled = False
 
@@ -451,7 +470,15 @@ class LoaderSwitcher:
         timing, self._sample_times = self._sample_times, None
         return None if timing is None else timing.finish()
 
+    def _tuner_added_workers(self, loader: DataLoader) -> bool:
+        """Whether ``loader`` has two workers or more where the user's loader had fewer."""
+        start = self.state.start
+        return loader.num_workers >= 2 and start is not None and start.num_workers < loader.num_workers
+
     def _guard(self, loader: Any, inner: Iterator[Any]) -> Iterator[Any]:
+        if self._check_shards and not isinstance(inner, (GuardedIterator, ShardCheck)):
+            self._check_shards = False
+            return ShardCheck(loader, inner, self._not_sharded)
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
         if isinstance(inner, GuardedIterator) or not resumable:
             return inner
@@ -539,6 +566,31 @@ class LoaderSwitcher:
             self._pending = settings
 
     # --- failures -------------------------------------------------------------------------------------------
+    def _not_sharded(self, loader: DataLoader, inner: Iterator[Any]) -> Iterator[Any]:
+        """Workers 0 and 1 yielded the same first batch (see ``ShardCheck``): the dataset does not shard, so every
+        config with more workers than one repeats samples. Go back to the fallback (the user's config, or one
+        measured with one worker at most) and go on from where the loop is: the batches it took before the check
+        were worker 0's, which are the dataset's own first ones."""
+        assert self.trainer is not None
+        tried, taken = LoaderSettings.from_loader(loader), _lightning.batches_yielded(inner) - 2
+        why = "the IterableDataset does not shard: workers 0 and 1 yielded the same first batch"
+        fallback = self._on_failure("repeated samples", why) or self.state.start or LoaderSettings()
+        self.aim(fallback)
+        new = self._build(loader, fallback)
+        _lightning.shutdown_iterator(inner)
+        self._adopt(loader, new)
+        warn_once(
+            "not-sharded",
+            f"DataLoaderTuner: the train IterableDataset does not shard itself: with {tried.describe()} workers 0 "
+            "and 1 yielded the same first batch, so every worker would yield every sample. Went back to "
+            f"{fallback.describe()}; no sample was trained twice. To let the tuner change `num_workers`, shard the "
+            "dataset with `torch.utils.data.get_worker_info()`; otherwise leave `tune_iterable=False`.",
+        )
+        replacement = apart_from_global(new, lambda: iter(new))
+        for _ in islice(replacement, max(0, taken)):
+            pass
+        return replacement
+
     def _startup_failed(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
         """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
         workers that cannot start), or workers it added in place failed in their first batches: fall back. Errors

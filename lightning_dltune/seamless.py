@@ -97,6 +97,11 @@ class Seamless:
     def carrying(self) -> bool:
         return self._carry is not None
 
+    @property
+    def carried_iterator(self) -> Iterator[Any] | None:
+        """The iterator carried into the next epoch (``None``: none is)."""
+        return None if self._carry is None else self._carry[1]
+
     def why_not(self, loader: DataLoader) -> str | None:
         """Why ``loader`` cannot go on into the next epoch (``None``: it can)."""
         if self.setting is False:

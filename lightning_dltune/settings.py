@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -161,10 +163,19 @@ def check_float(value: Any, name: str, allowed: str, ok: bool | Callable[[], boo
     return float(value)
 
 
+def check_path_option(value: Any, name: str, fix: str) -> None:
+    """``value`` is ``None``, a bool or a path (``str``/``os.PathLike``), else a ``TypeError`` naming ``name``."""
+    if value is not None and not isinstance(value, (bool, str, os.PathLike)):
+        raise TypeError(f"`{name}` must be None, a bool or a path, got {value!r}. {fix}")
+
+
 def check_bool(value: Any, name: str, fix: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False, got {value!r}. {fix}")
     return value
+
+
+MIB = 2**20
 
 
 def check_tuner_arguments(
@@ -174,10 +185,16 @@ def check_tuner_arguments(
     max_prefetch: Any,
     max_memory: Any,
     min_steps: Any,
+    observe_only: Any,
+    tune_iterable: Any,
     mode: Any,
     window_steps: Any,
-    plot: Any = True,
-    seamless_epochs: Any = "auto",
+    log_gpu: Any,
+    cache: Any,
+    report_path: Any,
+    verbose: Any,
+    plot: Any,
+    seamless_epochs: Any,
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
     from lightning_dltune.state import MODES
@@ -189,13 +206,25 @@ def check_tuner_arguments(
         check_num_workers(max_workers, "max_workers")
     check_int(max_prefetch, "max_prefetch", 1, "PyTorch's default is 2.")
     if max_memory is not None:
-        allowed = "a fraction in (0, 1] or a number of bytes > 1"
-        check_float(
-            max_memory, "max_memory", allowed, lambda: max_memory > 0, "Use 0.5 for half of the available memory."
-        )
+        # between 1 and 1 MiB a value is neither a fraction nor a plausible budget in bytes: a typo, not a limit
+        ok = lambda: 0 < max_memory <= 1 or MIB <= max_memory < math.inf  # noqa: E731
+        allowed = "a fraction in (0, 1], or a finite number of bytes >= 1 MiB (1048576)"
+        fix = "Use 0.5 for half of the available memory, 1.0 for all of it, or bytes such as 8 * 2**30."
+        check_float(max_memory, "max_memory", allowed, ok, fix)
     check_int(min_steps, "min_steps", 1)
+    check_bool(observe_only, "observe_only", "Use True to measure and report without rebuilding the loader.")
+    check_bool(tune_iterable, "tune_iterable", "Use True only for an IterableDataset that shards itself.")
     check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
     check_int(window_steps, "window_steps", 2, "The default is 20.")
+    check_bool(log_gpu, "log_gpu", "Use False to skip NVML sampling.")
+    check_path_option(cache, "cache", "Use None for the default cache file, a path for another, False for none.")
+    check_path_option(report_path, "report_path", "Use None to write it in the logger's directory, False for none.")
+    if isinstance(report_path, (str, os.PathLike)) and os.path.isdir(report_path):
+        raise ValueError(
+            f"`report_path` must be a file path, got the directory {str(report_path)!r}. "
+            f"Use {os.path.join(str(report_path), 'dltune_report.json')!r}."
+        )
+    check_bool(verbose, "verbose", "Use False to print no summary.")
     check_bool(plot, "plot", "Use False to skip the PNG of the run.")
     if not (seamless_epochs is True or seamless_epochs is False or seamless_epochs == "auto"):
         raise ValueError(

@@ -390,3 +390,43 @@ def apart_from_global(loader: Any, create: Callable[[], Iterator[Any]]) -> Itera
         return create()
     finally:
         loader.generator = generator
+
+
+class ShardCheck(Iterator[Any]):
+    """The first iteration of an ``IterableDataset``'s loader that the tuner gave two or more workers: before it
+    serves a batch, it compares the first batch of worker 0 with that of worker 1 (PyTorch hands each worker its
+    turn in order). The same batch means the dataset does not shard itself with ``get_worker_info()`` and every
+    worker yields all of it: ``on_repeat(loader, inner)`` then stops ``inner`` and gives the iterator to serve
+    instead, and neither batch is served. Otherwise both are served, in order, and ``inner`` goes on."""
+
+    def __init__(
+        self, loader: Any, inner: Iterator[Any], on_repeat: Callable[[Any, Iterator[Any]], Iterator[Any]]
+    ) -> None:
+        self.loader, self.inner = loader, inner
+        self._on_repeat = on_repeat
+        self._ahead: list[Any] | None = None
+
+    def __next__(self) -> Any:
+        if self._ahead is None:
+            self._ahead = list(islice(self.inner, 2))
+            if len(self._ahead) == 2 and same_batch(*self._ahead):
+                self.inner, self._ahead = self._on_repeat(self.loader, self.inner), []
+        if self._ahead:
+            return self._ahead.pop(0)
+        return next(self.inner)
+
+
+def same_batch(a: Any, b: Any) -> bool:
+    """Whether two collated batches hold the same values (tensors, mappings and sequences of them, or plain values)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_batch(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_batch(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -182,11 +182,26 @@ def test_validate_stage_is_left_alone(tmp_path):
         ({"max_prefetch": 0}, ValueError, r"`max_prefetch` must be an int >= 1"),
         ({"min_steps": 0}, ValueError, r"`min_steps` must be an int >= 1"),
         ({"plot": "yes"}, TypeError, r"`plot` must be True or False, got 'yes'. Use False to skip the PNG"),
+        ({"observe_only": "no"}, TypeError, r"`observe_only` must be True or False, got 'no'"),
+        ({"tune_iterable": "no"}, TypeError, r"`tune_iterable` must be True or False, got 'no'"),
+        ({"log_gpu": 1}, TypeError, r"`log_gpu` must be True or False, got 1"),
+        ({"verbose": None}, TypeError, r"`verbose` must be True or False, got None"),
+        ({"max_memory": float("inf")}, ValueError, r"`max_memory` must be a fraction in \(0, 1\], or a finite number"),
+        ({"max_memory": float("nan")}, ValueError, r"`max_memory` must be a fraction in \(0, 1\]"),
+        ({"max_memory": 1.5}, ValueError, r"or a finite number of bytes >= 1 MiB \(1048576\), got 1.5. Use 0.5"),
+        ({"max_memory": 0}, ValueError, r"`max_memory` must be a fraction in \(0, 1\]"),
+        ({"report_path": 7}, TypeError, r"`report_path` must be None, a bool or a path, got 7"),
+        ({"cache": 3.0}, TypeError, r"`cache` must be None, a bool or a path, got 3.0"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         DataLoaderTuner(**kwargs)
+
+
+@pytest.mark.parametrize("max_memory", [1.0, 0.25, 2**20, 8 * 2**30])
+def test_a_memory_budget_as_a_fraction_or_in_bytes_is_taken(max_memory):
+    assert DataLoaderTuner(max_memory=max_memory).max_memory == max_memory
 
 
 def test_pytorchs_worker_count_warning_is_replaced_by_one_line_of_the_tuners(tmp_path, lightning_log):

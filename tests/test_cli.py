@@ -142,3 +142,16 @@ def test_lightning_cli_rejects_a_bad_mode_at_parse_time(capsys, monkeypatch):
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert "Expected a typing.Literal['auto', 'epoch', 'in_epoch']. Got value: sometimes" in err
+
+
+def test_version_names_the_package_torch_and_lightning(capsys):
+    import lightning
+    import torch
+
+    from lightning_dltune import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"lightning-dltune {__version__} (torch {torch.__version__}, lightning {lightning.__version__})")
