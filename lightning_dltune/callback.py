@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dltune._warn import reset_warnings, warn_once
+from lightning_dltune._warn import reset_warnings
 from lightning_dltune.agree import Agreement
 from lightning_dltune.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.cache import RunCache
@@ -29,8 +28,8 @@ from lightning_dltune.decide import Budget, Policy
 from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.probe import Probe
-from lightning_dltune.report import build_report, report_path, window_metrics, write_json_atomic
-from lightning_dltune.settings import LoaderSettings, check_tuner_arguments
+from lightning_dltune.report import build_report, report_path, window_metrics, write_report
+from lightning_dltune.settings import LoaderSettings, check_one_tuner, check_tuner_arguments
 from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
 from lightning_dltune.view import RunView
 
@@ -209,12 +208,7 @@ class DataLoaderTuner(Callback):
     # --- set-up and tear-down -----------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        tuners = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, DataLoaderTuner)]
-        if len(tuners) > 1:  # each would rebuild the loader, and report a config the other one replaced
-            raise MisconfigurationException(
-                f"`Trainer(callbacks=...)` holds {len(tuners)} DataLoaderTuner callbacks; one tunes the run's loaders. "
-                "Keep one, with the arguments you want."
-            )
+        check_one_tuner([c for c in getattr(trainer, "callbacks", []) if isinstance(c, DataLoaderTuner)])
         if stage != "fit":
             return
         self.state.begin_fit()
@@ -235,12 +229,11 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self.switcher.shutdown()  # the exception's traceback would keep the running workers alive until a collection
-        self._release()  # Lightning calls no teardown hook after an exception
+        self._release(failed=True)  # Lightning calls no teardown hook after an exception
 
-    def _release(self) -> None:
-        """Undo :meth:`setup`: the loop's hooks restored, GPU sampling stopped. Safe to call twice."""
-        self.switcher.restore()
+    def _release(self, failed: bool = False) -> None:
+        """Undo :meth:`setup`; after a ``failed`` fit, also stop every worker the tuner holds. Safe to call twice."""
+        self.switcher.restore(stop_workers=failed)
         self.probe.stop()
 
     # --- the cache ----------------------------------------------------------------------------------------------
@@ -418,19 +411,5 @@ class DataLoaderTuner(Callback):
         log_dir = trainer.log_dir if self.report_path is None else None
         path = report_path(self.report_path, log_dir, trainer.default_root_dir)
         if path is not None and trainer.is_global_zero:
-            self.report_file = self._write_report(path, self.report)
-            if self.report_file is not None:
-                self.view.draw(self.report, self.report_file)
-
-    @staticmethod
-    def _write_report(path: Path, report: dict[str, Any]) -> Path | None:
-        """Write the report; a path that cannot be written is one warning, not a failed ``fit`` after training."""
-        try:
-            return write_json_atomic(path, report)
-        except OSError as ex:
-            warn_once(
-                f"report-write-{path}",
-                f"DataLoaderTuner: cannot write the report {path} ({ex.strerror or ex}); training's result is kept. "
-                "Pass `DataLoaderTuner(report_path=...)` a file in a writable directory, or `report_path=False`.",
-            )
-            return None
+            self.report_file = write_report(path, self.report)
+            self.view.draw(self.report, self.report_file)

@@ -143,9 +143,12 @@ class LoaderSwitcher:
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
         ]
 
-    def restore(self) -> None:
+    def restore(self, stop_workers: bool = False) -> None:
         """Undo :meth:`install`; safe to call twice. A background start still running is stopped (a fit that
-        ended before its hand-over), and no switch is left pending for another ``fit``."""
+        ended before its hand-over), and no switch is left pending for another ``fit``. ``stop_workers``: every
+        worker set is stopped too (:meth:`shutdown`), for a ``fit`` that failed."""
+        if stop_workers:
+            self.shutdown()
         self._abandon()
         self._pending, self._behind, self._guarded = None, False, None
         self.seamless.drop()

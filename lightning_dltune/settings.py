@@ -163,6 +163,18 @@ def check_float(value: Any, name: str, allowed: str, ok: bool | Callable[[], boo
     return float(value)
 
 
+def check_one_tuner(tuners: list[Any]) -> None:
+    """A ``MisconfigurationException`` where a ``Trainer`` holds more than one ``DataLoaderTuner``: each would rebuild
+    the loaders, and report a config the other one replaced."""
+    if len(tuners) > 1:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        raise MisconfigurationException(
+            f"`Trainer(callbacks=...)` holds {len(tuners)} DataLoaderTuner callbacks; one tunes the run's loaders. "
+            "Keep one, with the arguments you want."
+        )
+
+
 def check_path_option(value: Any, name: str, fix: str) -> None:
     """``value`` is ``None``, a bool or a path (``str``/``os.PathLike``), else a ``TypeError`` naming ``name``."""
     if value is not None and not isinstance(value, (bool, str, os.PathLike)):

@@ -113,9 +113,10 @@ class RunView:
             self._summary = text
             _write_text(trainer, text)
 
-    def draw(self, report: Mapping[str, Any], report_file: Path) -> Path | None:
-        """The picture of ``report`` next to ``report_file`` (``None``: not asked for, or not possible: said once)."""
-        if not self.plot:
+    def draw(self, report: Mapping[str, Any], report_file: Path | None) -> Path | None:
+        """The picture of ``report`` next to ``report_file`` (``None``: not asked for, no report was written, or not
+        possible: said once)."""
+        if not self.plot or report_file is None:
             return None
         if not _imports._MATPLOTLIB_AVAILABLE:
             info_once("no-matplotlib", f"DataLoaderTuner: no picture of the run: {_imports.MATPLOTLIB_MISSING}.")

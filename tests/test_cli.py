@@ -154,4 +154,5 @@ def test_version_names_the_package_torch_and_lightning(capsys):
         main(["--version"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"lightning-dltune {__version__} (torch {torch.__version__}, lightning {lightning.__version__})")
+    versions = f"(torch {torch.__version__}, lightning {lightning.__version__})"
+    assert out.startswith(f"lightning-dltune {__version__} {versions}")
