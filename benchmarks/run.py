@@ -14,7 +14,9 @@ SIMULATED by a sleep in ``training_step`` (this machine has no GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -35,9 +37,17 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.budget import cpu_budget
 from lightning_dltune.loader import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
+from lightning_dltune.synthetic import (
+    ResNetClassifier,
+    SimulatedModel,
+    SyntheticDataModule,
+    SyntheticDataset,
+    image_folder,
+    in_memory_dataset,
+    write_jpeg_folder,
+)
 
-from sections import write_results
+from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 
@@ -74,6 +84,21 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
 }
 BATCH = 16
+
+
+@functools.cache
+def _jpegs(images: int) -> Path:
+    """A folder of ``images`` JPEG files, written once per run of this script."""
+    return write_jpeg_folder(Path(tempfile.mkdtemp(prefix="dltune-bench-images-")), per_class=images // 2)
+
+
+if importlib.util.find_spec("torchvision") is not None:  # beside torch 2.14.1 (scripts/test-matrix.sh newest)
+    WORKLOADS["imagefolder"] = {
+        "make": lambda n: image_folder(_jpegs(n)),
+        "samples": 192,
+        "model": ResNetClassifier,
+        "what": "torchvision ImageFolder over JPEG files, RandomResizedCrop/flip/normalize, ResNet-18 step on the CPU",
+    }
 
 
 class EpochStart(pl.Callback):
@@ -127,7 +152,8 @@ def fit_once(
         enable_model_summary=False,
     )
     t0 = time.perf_counter()
-    trainer.fit(SimulatedModel(step_ms=workload["step_ms"]), datamodule=dm)
+    model = workload["model"]() if "model" in workload else SimulatedModel(step_ms=workload["step_ms"])
+    trainer.fit(model, datamodule=dm)
     return time.perf_counter() - t0
 
 
@@ -484,9 +510,34 @@ def prose(results: dict[str, Any]) -> list[str]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    rows = results["workloads"]
+    lines = prose(results) + table(results["workloads"])
+    if "long_epoch" in results:  # absent from a run of the workloads alone (--workloads-only)
+        lines += long_epoch_markdown(results["long_epoch"]) + overhead_markdown(results["overhead"])
+    return "\n".join(lines + gpu_markdown(HERE / "results" / "gpu_cuda.json"))
+
+
+def workloads_section(results: dict[str, Any], epochs: int, argv: list[str] | None) -> list[str]:
+    """BENCHMARKS.md's section for a run of workloads alone: the command, each workload's ratio, the table."""
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [f"Workloads run alone, under torch {results['machine']['torch']} (`python benchmarks/run.py {command}`):"]
+    for r in results["workloads"]:
+        ratio, paired = r["seconds"]["tuner"] / r["seconds"]["oracle"], paired_text(r["paired"])
+        lines.append(f"the tuner took {ratio:.2f}x the oracle's whole run on {r['workload']}{paired}.")
+    return [" ".join(lines), "", environment(results, epochs), "", *table(results["workloads"])]
+
+
+def environment(results: dict[str, Any], epochs: int) -> str:
+    m = results["machine"]
+    return (
+        f"Machine: {m['nproc']} CPUs ({m['cpu_bound_by']}), {m['platform']}, Python {m['python']}, torch "
+        f"{m['torch']}, lightning {m['lightning']}; accelerator {results['accelerator']}; {epochs} epochs per run; "
+        f"whole suite {results['wall_s'] / 60:.1f} min."
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The side-by-side table of ``rows`` (one workload each), with how its cells were timed."""
     lines = [
-        *prose(results),
         "Each cell: whole-run time / oracle's whole-run time (workers used, seconds). The oracle is chosen as the "
         "fastest of one run per static config, then timed again apart from that run, interleaved with as many fresh "
         f"tuner runs (the least of several noisy runs reads low): its cell and the tuner's are medians of the "
@@ -509,9 +560,12 @@ def markdown(results: dict[str, Any]) -> str:
             f"{cell('rule_of_thumb')} | 1.00x ({k['oracle']}w, {o:.1f} s) | {cell('tuner')} | {cell('tuner_cached')} | "
             f"{cell('tuner_seamless')} |"
         )
-    le = results["long_epoch"]
+    return lines
+
+
+def long_epoch_markdown(le: dict[str, Any]) -> list[str]:
     long_paired = paired_text(le.get("paired"))
-    lines += [
+    return [
         "",
         f"One long latency-bound epoch ({le['steps']} steps, 10 ms per sample, from 0 workers, in-epoch "
         f"switching): the tuner {le['tuner_phase']} on {le['tuner_workers']} workers at step {le['settled_step']} "
@@ -520,9 +574,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"{len(le.get('repeats', {}).get('tuner', [1]))} tuner runs and {len(le.get('repeats', {}).get('oracle', [1]))}"
         " re-timed oracle runs).",
     ]
-    ov = results["overhead"]
+
+
+def overhead_markdown(ov: dict[str, Any]) -> list[str]:
     oo, ho = ov["observe_only"], ov["observe_only"].get("hooks_only")
-    lines += [
+    return [
         "",
         f"Measurement overhead: {ov['tuner_host_time']['us_per_step']:.0f} us of host time per step inside the "
         f"tuner on the observe-only path, fetch hooks and window closes included "
@@ -538,7 +594,6 @@ def markdown(results: dict[str, Any]) -> str:
             else ""
         ),
     ]
-    return "\n".join(lines + gpu_markdown(HERE / "results" / "gpu_cuda.json"))
 
 
 def gpu_markdown(path: Path) -> list[str]:
@@ -576,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--write-md", action="store_true", help="regenerate BENCHMARKS.md from this run")
+    parser.add_argument(
+        "--workloads-only", action="store_true", help="skip the long epoch and the overhead (a run of workloads alone)"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")  # PyTorch warns about worker counts above the cores: that is the point
     epochs = args.epochs or (3 if args.quick else 8)
@@ -599,27 +657,32 @@ def main(argv: list[str] | None = None) -> int:
             "processor": platform.processor() or platform.machine(),
             "nproc": os.cpu_count(),
         },
-        "accelerator": "simulated (sleep in training_step)",
+        "accelerator": "simulated (sleep in training_step)"
+        + ("; the imagefolder step runs on the CPU" if "imagefolder" in names else ""),
         "workloads": [run_workload(n, epochs, grid, cache_dir, reps) for n in names if n in WORKLOADS],
-        "long_epoch": long_epoch(200, [8, 16], reps) if args.quick else long_epoch(600, [4, 8, 16], reps),
-        "overhead": {
+    }
+    if not args.workloads_only:
+        results["long_epoch"] = long_epoch(200, [8, 16], reps) if args.quick else long_epoch(600, [4, 8, 16], reps)
+        results["overhead"] = {
             "tuner_host_time": tuner_host_time(),
             "observe_only": observe_overhead(2 if args.quick else 8, 2 if args.quick else 24),
-        },
-    }
+        }
     results["wall_s"] = time.perf_counter() - t0
+    if args.workloads_only:  # a section of its own in BENCHMARKS.md, beside the whole run's results
+        name = "workloads-" + "-".join(names)
+        write_results(args.out, f"{name}{'-quick' if args.quick else ''}.json", results)
+        section = workloads_section(results, epochs, argv)
+        print("\n".join(section))
+        if args.write_md:
+            write_section(name, "\n".join(section))
+        return 0
     write_results(args.out, "quick.json" if args.quick else "latest.json", results)
-    table = markdown(results)
-    print("\n" + table)
+    table_md = markdown(results)
+    print("\n" + table_md)
     if args.write_md:
-        m = results["machine"]
         text = (HERE.parent / "BENCHMARKS.md").read_text() if (HERE.parent / "BENCHMARKS.md").exists() else ""
         head = text.split("<!-- results -->")[0] if "<!-- results -->" in text else "# Benchmarks\n\n"
-        body = (
-            f"<!-- results -->\nMachine: {m['nproc']} CPUs ({m['cpu_bound_by']}), {m['platform']}, Python "
-            f"{m['python']}, torch {m['torch']}, lightning {m['lightning']}; accelerator {results['accelerator']}; "
-            f"{epochs} epochs per run; whole suite {results['wall_s'] / 60:.1f} min.\n\n" + table + "\n"
-        )
+        body = f"<!-- results -->\n{environment(results, epochs)}\n\n" + table_md + "\n"
         (HERE.parent / "BENCHMARKS.md").write_text(head + body)
     return 0
 

@@ -6,6 +6,7 @@ lightning 2.6; see ../shared/LIGHTNING_NOTES.md for how the train loader lives i
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 import weakref
@@ -16,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
+from torch.utils.data._utils.worker import _worker_loop
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 from lightning_dltune.switch import apart_from_global
@@ -75,16 +77,19 @@ TORCH_WORKER_STATE: tuple[str, ...] = (
     "_shared_seed",
     "_index_queues",
     "_workers_status",
-    "_workers_num_tasks",
+    "_task_info",
     "_worker_queue_idx_cycle",
     "_send_idx",
     "_rcvd_idx",
     "_in_order",
     "_num_yielded",
 )
+# torch 2.14 hands each worker its dataset in a one-item list the worker empties (`dataset_holder`), so that the
+# Process object does not keep the dataset; earlier releases pass the dataset itself
+_DATASET_HOLDER = "dataset_holder" in inspect.signature(_worker_loop).parameters
 WORKER_LOOP_PARAMETERS: tuple[str, ...] = (
     "dataset_kind",
-    "dataset",
+    "dataset_holder" if _DATASET_HOLDER else "dataset",
     "index_queue",
     "data_queue",
     "done_event",
@@ -399,7 +404,7 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
     the running ones; each is told the new worker count (``get_worker_info().num_workers``), the running ones keep
     the count they started with. Batches still come back in order: PyTorch hands batches round-robin over
     ``_num_workers`` workers (``_worker_queue_idx_cycle``), tracks each worker's tasks (``_workers_status``,
-    ``_workers_num_tasks``), and at every epoch start of a persistent iterator resumes ``_num_workers`` workers
+    ``_task_info``), and at every epoch start of a persistent iterator resumes ``_num_workers`` workers
     (``_reset``); the new ones are in all of them. Only the new workers are forked: a running iterator of 13 workers
     grows to 16 in 3 forks instead of stopping 13 workers and forking 16 (150-250 ms on 2 CPUs)."""
     if workers <= getattr(iterator, "_num_workers", 0) or not can_add_workers(loader, iterator):
@@ -413,7 +418,7 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
         running = iterator._num_workers
         while _in_flight(iterator) < iterator._prefetch_factor * running:
             handed = iterator._send_idx
-            _hand_to(iterator, min(range(running), key=lambda w: (iterator._workers_num_tasks[w], w)))
+            _hand_to(iterator, min(range(running), key=lambda w: (tasks_of(iterator, w), w)))
             if iterator._send_idx == handed:  # the epoch has no batch left to hand
                 break
     finally:
@@ -424,8 +429,6 @@ def add_workers(loader: DataLoader, iterator: Any, workers: int) -> bool:
 def _start_workers(loader: DataLoader, iterator: Any, workers: int, context: Any) -> bool:
     """Start ``iterator``'s workers up to ``workers``, each handed its first batch as it has started; False where
     one could not start (the ones that did run)."""
-    from torch.utils.data import _utils
-
     for i in range(iterator._num_workers, workers):
         index_queue = None
         try:
@@ -433,6 +436,7 @@ def _start_workers(loader: DataLoader, iterator: Any, workers: int, context: Any
             index_queue.cancel_join_thread()  # as PyTorch's: a worker's queue never blocks the process's exit
             args = dict(
                 dataset_kind=iterator._dataset_kind,
+                dataset_holder=[iterator._dataset],
                 dataset=iterator._dataset,
                 index_queue=index_queue,
                 data_queue=iterator._worker_result_queue,
@@ -448,7 +452,7 @@ def _start_workers(loader: DataLoader, iterator: Any, workers: int, context: Any
                 shared_seed=iterator._shared_seed,
             )
             ordered = tuple(args[name] for name in WORKER_LOOP_PARAMETERS)
-            process = context.Process(target=_utils.worker._worker_loop, args=ordered)
+            process = context.Process(target=_worker_loop, args=ordered)
             process.daemon = True
             process.start()
         except OSError:  # out of processes or memory (fork's EAGAIN, ENOMEM): the switch builds a new loader
@@ -458,7 +462,8 @@ def _start_workers(loader: DataLoader, iterator: Any, workers: int, context: Any
         iterator._index_queues.append(index_queue)
         iterator._workers.append(process)
         iterator._workers_status.append(True)
-        iterator._workers_num_tasks.append(0)
+        if hasattr(iterator, "_workers_num_tasks"):  # where torch has it, its out-of-order hand-out reads it
+            iterator._workers_num_tasks.append(0)
         iterator._num_workers = i + 1
         object.__setattr__(loader, "num_workers", i + 1)  # past Lightning's record (see ResumableBatchSampler)
         _hand_to(iterator, i)
@@ -471,6 +476,12 @@ def _hand_to(iterator: Any, worker: int) -> None:
     if _in_flight(iterator) < iterator._prefetch_factor * iterator._num_workers:
         iterator._worker_queue_idx_cycle = itertools.repeat(worker)
         iterator._try_put_index()
+
+
+def tasks_of(iterator: Any, worker: int) -> int:
+    """The batches handed to ``worker`` and not yet served (PyTorch keeps one ``_task_info`` entry for each, from the
+    hand-out until the batch is served; releases after 2.6 also count them in ``_workers_num_tasks``)."""
+    return sum(1 for info in iterator._task_info.values() if info[0] == worker)
 
 
 def _in_flight(iterator: Any) -> int:
@@ -632,6 +643,11 @@ def shutdown_unless_held(loader: DataLoader, iterator: Iterator[Any]) -> None:
     next ``iter()``."""
     if getattr(loader, "_iterator", None) is not iterator:
         shutdown_iterator(iterator)
+
+
+def in_order(iterator: Iterator[Any]) -> bool:
+    """Whether a loader iterator serves its batches in the order they were handed out (PyTorch's default)."""
+    return bool(getattr(iterator, "_in_order", True))
 
 
 def batches_yielded(iterator: Iterator[Any]) -> int:

@@ -28,10 +28,10 @@ from lightning_dltune.decide import Budget, Policy
 from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.probe import Probe
-from lightning_dltune.report import build_report, report_path, window_metrics, write_report
+from lightning_dltune.report import build_report, report_path, window_metrics
 from lightning_dltune.settings import LoaderSettings, check_one_tuner, check_tuner_arguments
 from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
-from lightning_dltune.view import RunView
+from lightning_dltune.view import RunView, write_report
 
 
 class DataLoaderTuner(Callback):

@@ -53,17 +53,12 @@ def _int_list(text: str) -> list[int]:
 
 def _version() -> str:
     """This package's version, with the torch and Lightning it runs on (what a bug report needs)."""
-    from importlib.metadata import PackageNotFoundError, version
+    import lightning
+    import torch
 
     from lightning_dltune import __version__
 
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return f"lightning-dltune {__version__} (torch {installed('torch')}, lightning {installed('lightning')})"
+    return f"lightning-dltune {__version__} (torch {torch.__version__}, lightning {lightning.__version__})"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -166,7 +166,7 @@ class LoaderSwitcher:
             held += [guard.inner, guard.next[1] if guard.next is not None else None]
         if self.trainer is not None:  # the loop's own, where the tuner did not guard it
             running = _lightning.train_iterator(self.trainer)
-            held.append(running.inner if isinstance(running, GuardedIterator) else running)
+            held.append(running.inner if isinstance(running, (GuardedIterator, ShardCheck)) else running)
         for iterator in held:
             if iterator is not None:
                 _lightning.shutdown_iterator(iterator)
@@ -481,7 +481,9 @@ class LoaderSwitcher:
     def _guard(self, loader: Any, inner: Iterator[Any]) -> Iterator[Any]:
         if self._check_shards and not isinstance(inner, (GuardedIterator, ShardCheck)):
             self._check_shards = False
-            return ShardCheck(loader, inner, self._not_sharded)
+            if _lightning.in_order(inner):  # out of order, a batch's worker is not known: not checked
+                taken = _lightning.batches_yielded(inner)
+                return ShardCheck(loader, inner, self._not_sharded, taken, loader.num_workers)
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
         if isinstance(inner, GuardedIterator) or not resumable:
             return inner
@@ -569,28 +571,30 @@ class LoaderSwitcher:
             self._pending = settings
 
     # --- failures -------------------------------------------------------------------------------------------
-    def _not_sharded(self, loader: DataLoader, inner: Iterator[Any]) -> Iterator[Any]:
-        """Workers 0 and 1 yielded the same first batch (see ``ShardCheck``): the dataset does not shard, so every
-        config with more workers than one repeats samples. Go back to the fallback (the user's config, or one
-        measured with one worker at most) and go on from where the loop is: the batches it took before the check
-        were worker 0's, which are the dataset's own first ones."""
+    def _not_sharded(self, loader: DataLoader, inner: Iterator[Any], taken: int) -> Iterator[Any]:
+        """Two workers yielded the same batch (see ``ShardCheck``): the dataset does not shard, so every config with
+        more workers than one repeats samples. Go back to the fallback (the user's config, or one measured with one
+        worker at most) and go on from where the loop is: of the ``taken`` batches it took, batch ``b`` was worker
+        ``b % workers``'s batch ``b // workers``, which is the dataset's own batch ``b // workers``."""
         assert self.trainer is not None
-        tried, taken = LoaderSettings.from_loader(loader), _lightning.batches_yielded(inner) - 2
-        why = "the IterableDataset does not shard: workers 0 and 1 yielded the same first batch"
+        tried = LoaderSettings.from_loader(loader)
+        trained = -(-taken // tried.num_workers)  # the dataset's first batches the loop trained, once or more
+        why = "the IterableDataset does not shard: two workers yielded the same batch"
         fallback = self._on_failure("repeated samples", why) or self.state.start or LoaderSettings()
         self.aim(fallback)
         new = self._build(loader, fallback)
         _lightning.shutdown_iterator(inner)
         self._adopt(loader, new)
+        again = f"{taken - trained} batch(es) had been trained twice" if taken > trained else "no sample trained twice"
         warn_once(
             "not-sharded",
-            f"DataLoaderTuner: the train IterableDataset does not shard itself: with {tried.describe()} workers 0 "
-            "and 1 yielded the same first batch, so every worker would yield every sample. Went back to "
-            f"{fallback.describe()}; no sample was trained twice. To let the tuner change `num_workers`, shard the "
-            "dataset with `torch.utils.data.get_worker_info()`; otherwise leave `tune_iterable=False`.",
+            f"DataLoaderTuner: the train IterableDataset does not shard itself: with {tried.describe()} two workers "
+            "yielded the same batch, so every worker would yield every sample. Went back to "
+            f"{fallback.describe()} ({again}). To let the tuner change `num_workers`, shard the dataset with "
+            "`torch.utils.data.get_worker_info()`; otherwise leave `tune_iterable=False`.",
         )
         replacement = apart_from_global(new, lambda: iter(new))
-        for _ in islice(replacement, max(0, taken)):
+        for _ in islice(replacement, trained):
             pass
         return replacement
 

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_dltune._warn import warn_once
 from lightning_dltune.decide import Budget, Trial
 from lightning_dltune.gpu import GpuStats
 from lightning_dltune.measure import WindowStats
@@ -237,20 +236,6 @@ def report_path(option: str | os.PathLike[str] | bool | None, log_dir: str | Non
     if option is None or option is True:
         return Path(log_dir or root_dir) / REPORT_NAME
     return Path(option)
-
-
-def write_report(path: Path, report: dict[str, Any]) -> Path | None:
-    """Write the report; a path that cannot be written is one warning (``None``), not a failed ``fit`` after
-    training."""
-    try:
-        return write_json_atomic(path, report)
-    except OSError as ex:
-        warn_once(
-            f"report-write-{path}",
-            f"DataLoaderTuner: cannot write the report {path} ({ex.strerror or ex}); training's result is kept. "
-            "Pass `DataLoaderTuner(report_path=...)` a file in a writable directory, or `report_path=False`.",
-        )
-        return None
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:

@@ -394,23 +394,32 @@ def apart_from_global(loader: Any, create: Callable[[], Iterator[Any]]) -> Itera
 
 class ShardCheck(Iterator[Any]):
     """The first iteration of an ``IterableDataset``'s loader that the tuner gave two or more workers: before it
-    serves a batch, it compares the first batch of worker 0 with that of worker 1 (PyTorch hands each worker its
-    turn in order). The same batch means the dataset does not shard itself with ``get_worker_info()`` and every
-    worker yields all of it: ``on_repeat(loader, inner)`` then stops ``inner`` and gives the iterator to serve
-    instead, and neither batch is served. Otherwise both are served, in order, and ``inner`` goes on."""
+    serves another batch, it compares two workers' batches of the same rank (PyTorch hands the workers their turns
+    in order, so with ``workers`` of them batch ``b`` is batch ``b // workers`` of worker ``b % workers``), the first
+    such pair after the ``taken`` batches the loop already took (Lightning's fetcher takes one ahead). The same batch
+    means the dataset does not shard itself with ``get_worker_info()`` and every worker yields all of it:
+    ``on_repeat(loader, inner, taken)`` then stops ``inner`` and gives the iterator to serve instead, and none of the
+    batches looked at is served. Otherwise they are served, in order, and ``inner`` goes on."""
 
     def __init__(
-        self, loader: Any, inner: Iterator[Any], on_repeat: Callable[[Any, Iterator[Any]], Iterator[Any]]
+        self,
+        loader: Any,
+        inner: Iterator[Any],
+        on_repeat: Callable[[Any, Iterator[Any], int], Iterator[Any]],
+        taken: int,
+        workers: int,
     ) -> None:
-        self.loader, self.inner = loader, inner
+        self.loader, self.inner, self.taken = loader, inner, taken
         self._on_repeat = on_repeat
+        first = taken + 1 if taken % workers == workers - 1 else taken  # a pair's first batch: not the last worker's
+        self._look = first + 2 - taken  # batches to look at: up to the pair's second
         self._ahead: list[Any] | None = None
 
     def __next__(self) -> Any:
         if self._ahead is None:
-            self._ahead = list(islice(self.inner, 2))
-            if len(self._ahead) == 2 and same_batch(*self._ahead):
-                self.inner, self._ahead = self._on_repeat(self.loader, self.inner), []
+            self._ahead = list(islice(self.inner, self._look))
+            if len(self._ahead) == self._look and same_batch(*self._ahead[-2:]):
+                self.inner, self._ahead = self._on_repeat(self.loader, self.inner, self.taken), []
         if self._ahead:
             return self._ahead.pop(0)
         return next(self.inner)

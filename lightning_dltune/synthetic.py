@@ -8,10 +8,12 @@ way a GPU kernel does, and says so in its name.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -161,6 +163,64 @@ class SimulatedModel(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def write_jpeg_folder(root: str | Path, per_class: int = 48, classes: int = 2, size: int = 48) -> Path:
+    """Write ``classes`` folders of ``per_class`` JPEG files each (``size`` pixels square, each image its own noise,
+    each class its own colours) under ``root``, as ``torchvision.datasets.ImageFolder`` reads them. Needs Pillow."""
+    from PIL import Image
+
+    root = Path(root)
+    g = torch.Generator().manual_seed(0)
+    for c in range(classes):
+        folder = root / f"class_{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = (torch.rand(size, size, 3, generator=g) * 128 + 96 * c / max(1, classes - 1)).to(torch.uint8)
+            Image.fromarray(pixels.numpy()).save(folder / f"{i:04d}.jpg", quality=90)
+    return root
+
+
+def _read_image(latency_ms: float, path: str) -> Any:
+    """Read one image file as ``ImageFolder`` does, after waiting ``latency_ms`` (storage that answers late)."""
+    from torchvision.datasets.folder import default_loader
+
+    if latency_ms:
+        time.sleep(latency_ms / 1e3)
+    return default_loader(path)
+
+
+def image_folder(root: str | Path, crop: int = 32, latency_ms: float = 0.0) -> Dataset:
+    """The guide's image pipeline over ``root``: ``torchvision.datasets.ImageFolder`` with ``RandomResizedCrop``,
+    ``RandomHorizontalFlip``, ``ToTensor`` and ``Normalize``; each sample is ``(image, class, index)``, so the order
+    trained can be compared across runs; each file is read after ``latency_ms`` (0: at once). Needs torchvision."""
+    from torchvision import datasets, transforms
+
+    class IndexedImageFolder(datasets.ImageFolder):
+        def __getitem__(self, index: int) -> tuple[Any, Any, int]:
+            image, target = super().__getitem__(index)
+            return image, target, index
+
+    augment = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(crop, antialias=True),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
+    )
+    return IndexedImageFolder(str(root), transform=augment, loader=functools.partial(_read_image, latency_ms))
+
+
+class ResNetClassifier(SimulatedModel):
+    """A torchvision ResNet-18 trained on the CPU (the step competes with the loader's workers for the CPUs);
+    ``seen_indices`` as :class:`SimulatedModel` records them. Needs torchvision."""
+
+    def __init__(self, num_classes: int = 2, lr: float = 0.01) -> None:
+        from torchvision.models import resnet18
+
+        super().__init__(step_ms=0.0, num_classes=num_classes, lr=lr)
+        self.layer = resnet18(num_classes=num_classes)
 
 
 class SyntheticDataModule(TunableDataModuleMixin, pl.LightningDataModule):

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from lightning_dltune import _imports
-from lightning_dltune._warn import info_once
+from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.plot import PlotError, draw_report, plot_path
 from lightning_dltune.report import (
     DATA_WAIT_MS,
@@ -36,6 +36,7 @@ from lightning_dltune.report import (
     STEP_MS,
     WindowSeries,
     summary_table,
+    write_json_atomic,
 )
 from lightning_dltune.state import TuningState
 
@@ -129,6 +130,20 @@ class RunView:
         except OSError as ex:  # the report was written: training's result is not lost for a picture
             info_once("no-plot", f"DataLoaderTuner: no picture of the run: cannot write {path}: {ex.strerror or ex}.")
         return self.plot_file
+
+
+def write_report(path: Path, report: dict[str, Any]) -> Path | None:
+    """Write the report; a path that cannot be written is one warning (``None``), not a failed ``fit`` after
+    training."""
+    try:
+        return write_json_atomic(path, report)
+    except OSError as ex:
+        warn_once(
+            f"report-write-{path}",
+            f"DataLoaderTuner: cannot write the report {path} ({ex.strerror or ex}); training's result is kept. "
+            "Pass `DataLoaderTuner(report_path=...)` a file in a writable directory, or `report_path=False`.",
+        )
+        return None
 
 
 def tensorboard_writers(trainer: "pl.Trainer") -> list[Any]:

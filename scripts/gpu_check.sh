@@ -37,10 +37,17 @@ PYEOF
         echo "installing: $missing"
         "$py" -m pip install -q $missing || echo "could not install $missing (no network?); continuing"
     fi
-    if ! "$py" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1; then
-        echo "pip could not install the package; using PYTHONPATH=$PWD"
+    # with its dependencies checked against the machine's own torch and Lightning (pyproject's ranges), both held
+    # where they are (a release outside the ranges fails the install instead of being replaced); without build
+    # isolation, which would fetch setuptools from the network
+    torch_before=$("$py" -c "import torch; print(torch.__version__)")
+    held=$("$py" -c "from importlib.metadata import version as v; print(f'torch=={v(\"torch\")}\nlightning=={v(\"lightning\")}')")
+    if ! "$py" -m pip install -q --no-build-isolation -c <(printf '%s\n' "$held") -e .; then
+        echo "pip could not install the package over this machine's packages; using PYTHONPATH=$PWD"
         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fi
+    torch_after=$("$py" -c "import torch; print(torch.__version__)")
+    [ "$torch_before" = "$torch_after" ] && echo "kept torch $torch_before" || echo "torch changed: $torch_before -> $torch_after"
     "$py" -c "import lightning_dltune as d; print('lightning-dltune', d.__version__)" || return 1
 
     bench_args=()
@@ -69,5 +76,5 @@ run 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 echo
 echo "== summary (full log: $log)"
-grep -E "^(torch |NOTE|RESULT|wrote|== done|\| )|passed|failed|skipped|error" "$log" | grep -v "^  " | tail -25
+grep -E "^(torch |kept torch|NOTE|RESULT|wrote|== done|\| )|passed|failed|skipped|error" "$log" | grep -v "^  " | tail -25
 exit "$rc"

@@ -55,6 +55,19 @@ class EpochClock(pl.Callback):
         self.durations.append(time.perf_counter() - self._t0)
 
 
+class Indices(pl.Callback):
+    """The dataset indices each epoch trained, in order (batches carry them third, as ``SyntheticDataset``'s do)."""
+
+    def __init__(self):
+        self.epochs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append([])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.epochs[-1].extend(int(i) for i in batch[2])
+
+
 def make_trainer(tmp_path, callbacks, max_epochs=4, **kwargs):
     opts = dict(
         max_epochs=max_epochs,

@@ -104,6 +104,23 @@ def test_torch_dataloader_internals_used_for_switching_exist():
         _lightning.shutdown_workers(dl)
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+def test_each_workers_batches_in_flight_are_counted_as_pytorch_counts_them(in_order):
+    """``tasks_of`` counts a worker's batches from ``_task_info``, which every supported torch keeps; where torch also
+    keeps ``_workers_num_tasks`` (releases after 2.6), both counts agree at every step of an epoch."""
+    dl = DataLoader(list(range(64)), batch_size=4, num_workers=2, prefetch_factor=3, in_order=in_order)
+    it = iter(dl)
+    try:
+        for _ in range(len(dl)):
+            counts = [_lightning.tasks_of(it, w) for w in range(2)]
+            assert sum(counts) == it._send_idx - it._rcvd_idx if in_order else sum(counts) == it._tasks_outstanding
+            if hasattr(it, "_workers_num_tasks"):
+                assert counts == it._workers_num_tasks
+            next(it)
+    finally:
+        _lightning.shutdown_iterator(it)
+
+
 def test_a_batch_loaded_in_the_training_process_is_timed_sample_by_sample():
     class Slow(torch.utils.data.Dataset):
         def __len__(self):

@@ -10,7 +10,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from lightning_dltune import DataLoaderTuner, DLTuneWarning, _lightning
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
-from helpers import make_trainer
+from helpers import Indices, make_trainer
 
 # ---------------------------------------------------------------------------------------------------------
 # memory
@@ -70,17 +70,6 @@ def test_a_tight_memory_budget_stops_the_tuner_below_what_would_exceed_it(tmp_pa
 
 def failing_init(worker_id):
     raise ValueError("cannot open the database in a worker")
-
-
-class Indices(pl.Callback):
-    def __init__(self):
-        self.epochs = []
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.epochs.append([])
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.epochs[-1].extend(int(i) for i in batch[2])
 
 
 def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_path):
