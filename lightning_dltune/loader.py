@@ -573,9 +573,10 @@ class LoaderSwitcher:
     # --- failures -------------------------------------------------------------------------------------------
     def _not_sharded(self, loader: DataLoader, inner: Iterator[Any], taken: int) -> Iterator[Any]:
         """Two workers yielded the same batch (see ``ShardCheck``): the dataset does not shard, so every config with
-        more workers than one repeats samples. Go back to the fallback (the user's config, or one measured with one
-        worker at most) and go on from where the loop is: of the ``taken`` batches it took, batch ``b`` was worker
-        ``b % workers``'s batch ``b // workers``, which is the dataset's own batch ``b // workers``."""
+        more workers than one repeats samples. Go back to the fallback the failure gives (a config measured before,
+        or the user's; every config with two workers or more was checked in its first iteration) and go on from where
+        the loop is: of the ``taken`` batches it took, batch ``b`` was worker ``b % workers``'s batch
+        ``b // workers``, which is the dataset's own batch ``b // workers``."""
         assert self.trainer is not None
         tried = LoaderSettings.from_loader(loader)
         trained = -(-taken // tried.num_workers)  # the dataset's first batches the loop trained, once or more
