@@ -1,4 +1,5 @@
 import gc
+import json
 import threading
 
 import lightning.pytorch as pl
@@ -197,17 +198,17 @@ def test_sample_order_depends_on_the_seed_not_on_the_settings_picked(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "steps"),
     [
-        {"max_steps": 13},  # ends mid-epoch
-        {"limit_train_batches": 3},
-        {"fast_dev_run": True},
-        {"max_epochs": 1, "limit_train_batches": 2},  # very short
-        {"logger": False},
-        {"val_check_interval": 0.5, "limit_val_batches": 2},
+        ({"max_steps": 13}, 13),  # ends mid-epoch
+        ({"limit_train_batches": 3}, 3 * 3),
+        ({"fast_dev_run": True}, 1),
+        ({"max_epochs": 1, "limit_train_batches": 2}, 2),  # very short
+        ({"logger": False}, 3 * 10),
+        ({"val_check_interval": 0.5, "limit_val_batches": 2}, 3 * 10),
     ],
 )
-def test_run_shapes_do_something_sensible(tmp_path, kwargs):
+def test_run_shapes_train_what_an_untuned_run_trains_and_report_it(tmp_path, kwargs, steps):
     class M(SimulatedModel):
         def validation_step(self, batch, batch_idx):
             pass
@@ -215,13 +216,20 @@ def test_run_shapes_do_something_sensible(tmp_path, kwargs):
         def val_dataloader(self):
             return DataLoader(SyntheticDataset(32), batch_size=16)
 
-    dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=4.0), batch_size=16)
-    tuner = DataLoaderTuner()
-    opts = {"max_epochs": 3, **kwargs}
-    trainer = make_trainer(tmp_path, [tuner], **opts)
-    trainer.fit(M(step_ms=2), datamodule=dm)
-    assert tuner.report is not None and tuner.report["trials"] == [t for t in tuner.report["trials"]]
-    assert tuner.best_settings is None or tuner.best_settings["num_workers"] >= 0
+    def fit(callbacks, where):
+        pl.seed_everything(0)
+        dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=4.0), batch_size=16)
+        model = M(step_ms=2)
+        make_trainer(tmp_path / where, callbacks, **{"max_epochs": 3, **kwargs}).fit(model, datamodule=dm)
+        return model.seen_indices
+
+    untuned, tuner = fit([], "untuned"), DataLoaderTuner()
+    tuned = fit([tuner], "tuned")
+    assert len(tuned) == steps * 16 and tuned == untuned  # the samples, their count and order, as without the tuner
+    report = json.loads(tuner.report_file.read_text())  # written for every shape, fast_dev_run's included
+    assert report["phase"] == tuner.phase.value and len(report["trials"]) == len(tuner.trials) >= 1
+    assert sum(t["stats"]["steps"] for t in report["trials"]) <= steps  # what it measured, it trained
+    assert report["trials"][0]["settings"]["num_workers"] == 0  # the user's config came first
 
 
 def test_an_empty_loader_is_left_alone(tmp_path):
