@@ -721,6 +721,8 @@ def decide(
         return Decision("settle", best.settings, reason, est)
 
     def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
+        if (cand.prefetch_factor or 0) > budget.max_prefetch:  # a count from 0 workers comes with PyTorch's default 2
+            cand = cand.with_prefetch(budget.max_prefetch)
         wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch, in_place)
         return Decision("hold", cand, wasted, est) if wasted else Decision("try", cand, reason, est)
 

@@ -230,3 +230,34 @@ def test_a_users_own_many_workers_still_get_pytorchs_warning(tmp_path, lightning
     said = [r.getMessage() for r in lightning_log.records]
     assert said, "the capture sees Lightning's info lines (else the next assertion could not fail)"
     assert not [m for m in said if "starts more worker processes" in m]
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_the_summary_is_printed_unless_verbose_is_false(tmp_path, lightning_log, verbose):
+    dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=2.0), batch_size=16)
+    tuner = DataLoaderTuner() if verbose else DataLoaderTuner(verbose=False)  # the default is True: tested as it is
+    make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(SimulatedModel(step_ms=1), datamodule=dm)
+    said = [r.getMessage() for r in lightning_log.records if r.getMessage().startswith("DataLoaderTuner ")]
+    summaries = [m for m in said if "Diagnosis: " in m]
+    assert bool(summaries) == verbose, said
+    assert tuner.diagnosis  # quiet or not, the result is there to read
+
+
+@pytest.mark.parametrize("report_path", [None, False])
+def test_report_path_false_writes_neither_report_nor_picture(tmp_path, report_path):
+    dm = SyntheticDataModule(SyntheticDataset(96, latency_ms=1.0), batch_size=16)
+    tuner = DataLoaderTuner() if report_path is None else DataLoaderTuner(report_path=False)  # None: the default
+    make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(SimulatedModel(step_ms=1), datamodule=dm)
+    written = sorted(p.name for p in tmp_path.rglob("dltune_report.*"))
+    assert written == ([] if report_path is False else ["dltune_report.json", "dltune_report.png"])
+    assert tuner.report is not None and (tuner.report_file is None) == (report_path is False)
+
+
+def test_no_config_goes_past_max_prefetch(tmp_path):
+    # bursty waits: the tuner reaches for deeper prefetch where more workers alone do not hide them
+    dm = SyntheticDataModule(SyntheticDataset(320, latency_ms=2.0, tail_prob=0.1, tail_factor=20.0), batch_size=16)
+    tuner = DataLoaderTuner(max_prefetch=1)
+    make_trainer(tmp_path, [tuner], max_epochs=3, logger=False).fit(SimulatedModel(step_ms=1), datamodule=dm)
+    assert any(t.settings.num_workers > 0 for t in tuner.trials)
+    assert {t.settings.prefetch_factor for t in tuner.trials} <= {None, 1}, [t.settings for t in tuner.trials]
+    assert tuner.best_settings["prefetch_factor"] in (None, 1)
