@@ -488,7 +488,7 @@ def _in_flight(iterator: Any) -> int:
     """Batches handed to the workers and not yet served: PyTorch keeps ``prefetch_factor`` per worker, handing one
     for each it serves. In order, a batch that arrives before its turn waits, counted (``_tasks_outstanding`` drops
     as it arrives); out of order it is served as it arrives."""
-    return iterator._send_idx - iterator._rcvd_idx if iterator._in_order else iterator._tasks_outstanding
+    return iterator._send_idx - iterator._rcvd_idx if in_order(iterator) else iterator._tasks_outstanding
 
 
 def iterate_growing(loader: DataLoader) -> Iterator[Any]:

@@ -15,7 +15,7 @@
 # Each leg installs its torch (and torchvision) and Lightning first, then `pip install -e ".[test]"`, then checks that
 # torch is still the release it installed. The venvs live under $DLTUNE_MATRIX_DIR (default ~/.cache/dltune-matrix)
 # and are reused by later runs. Without pytest arguments a leg runs the compatibility subset below: every private
-# Lightning and PyTorch attribute the tuner uses, every hook with a real Trainer, resume, reloads, in-epoch switching,
+# Lightning and PyTorch attribute the tuner uses, every hook with a real Trainer, failures, resume, in-epoch switching,
 # the loader libraries and the torchvision pipeline. Prints one line per leg; exits non-zero when a leg failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
