@@ -33,6 +33,13 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("fit_loop._data_source", "dataloader"),
     ("fit_loop.epoch_loop", "_on_before_fetch"),
     ("fit_loop.epoch_loop", "_on_after_fetch"),
+    # the evaluation loops (see `evaluation_loop`): each has these, and the validation loop of `fit` its reload epoch
+    *(
+        (loop, attr)
+        for loop in ("fit_loop.epoch_loop.val_loop", "validate_loop", "test_loop", "predict_loop")
+        for attr in ("_data_source", "_combined_loader", "_data_fetcher", "_on_before_fetch", "_on_after_fetch")
+    ),
+    ("fit_loop.epoch_loop.val_loop", "_last_val_dl_reload_epoch"),
 )
 # Private parts of the train CombinedLoader: (owner, attribute), the owner being what ``iter(CombinedLoader)`` makes.
 COMBINED_LOADER_PRIVATE: tuple[tuple[str, str], ...] = (
@@ -140,14 +147,23 @@ def install_loader_transform(
     builds the loader with the tuner's worker count, through the mixin), PyTorch's worker-count warning is
     left out of that call alone. Returns the function that undoes it.
     """
-    source = trainer.fit_loop._data_source
+    return install_source_transform(trainer.fit_loop, lambda original: transform(original()), quiet)
+
+
+def install_source_transform(
+    loop: Any, transform: Callable[[Callable[[], Any]], Any], quiet: Callable[[], bool] = lambda: False
+) -> Callable[[], None]:
+    """Route every loader request of ``loop`` (the fit loop, or an evaluation loop) through
+    ``transform(original) -> loaders``, where ``original()`` calls the user's hook (or returns the loaders given to
+    the ``Trainer`` method). As :func:`install_loader_transform`; returns the function that undoes it."""
+    source = loop._data_source
     original = source.dataloader
 
     def dataloader() -> Any:
         with warnings.catch_warnings():
             if quiet():
                 warnings.filterwarnings("ignore", message=_WORKER_COUNT_WARNING, category=UserWarning)
-            return transform(original())
+            return transform(original)
 
     source.dataloader = dataloader  # type: ignore[method-assign]
 
@@ -163,7 +179,12 @@ def install_fetch_hooks(
 ) -> Callable[[], None]:
     """Call ``before``/``after`` around every ``next()`` on the train data fetcher (where the profiler times
     ``train_dataloader_next``). Returns the function that undoes it."""
-    loop = trainer.fit_loop.epoch_loop
+    return install_loop_fetch_hooks(trainer.fit_loop.epoch_loop, before, after)
+
+
+def install_loop_fetch_hooks(loop: Any, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    """As :func:`install_fetch_hooks`, on ``loop``: the train epoch loop or an evaluation loop (whose ``reset`` hands
+    the hooks to its fetcher, after the fetcher took the pass's first batch)."""
     orig_before, orig_after = loop._on_before_fetch, loop._on_after_fetch
 
     def on_before_fetch() -> None:
@@ -733,3 +754,86 @@ def time_samples(iterator: Any, clock: Callable[[], float]) -> SampleTimes | Non
     timed = _TimedDataset(fetcher.dataset, clock)
     fetcher.dataset = timed
     return SampleTimes(fetcher, timed)
+
+
+# --- the evaluation loops -------------------------------------------------------------------------------------------
+def evaluation_loop(trainer: "pl.Trainer", name: str) -> Any:
+    """The loop that runs the ``name`` (``"val"``, ``"test"``, ``"predict"``) loader in the trainer's running
+    function: ``fit``'s validation loop, or the ``validate``/``test``/``predict`` loop."""
+    if name == "val":
+        return trainer.validate_loop if trainer.state.fn == "validate" else trainer.fit_loop.epoch_loop.val_loop
+    return trainer.test_loop if name == "test" else trainer.predict_loop
+
+
+def wrap_loop_reset(loop: Any, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    """Call ``before``/``after`` around ``loop.reset()``, where an evaluation pass creates its iterator (forking
+    its workers, unless persistent ones are reset) and its fetcher takes the first batch. Returns the undo."""
+    original = loop.reset
+
+    def reset() -> None:
+        before()
+        try:
+            original()
+        finally:
+            after()
+
+    loop.reset = reset
+
+    def restore() -> None:
+        if loop.__dict__.get("reset") is reset:
+            del loop.__dict__["reset"]
+
+    return restore
+
+
+def loop_loaders(loop: Any) -> list[Any]:
+    """The loaders ``loop`` runs (after Lightning processed them), ``[]`` before its first request."""
+    combined = getattr(loop, "_combined_loader", None)
+    return [] if combined is None else list(combined.flattened)
+
+
+def loop_worker_pids(loop: Any) -> list[int]:
+    """PIDs of the workers of ``loop``'s running loader iterator (empty without workers)."""
+    combined = getattr(loop, "_combined_loader", None)
+    mode_iter = None if combined is None else combined._iterator
+    iterators = getattr(mode_iter, "iterators", None) or []
+    return [w.pid for it in iterators for w in getattr(it, "_workers", None) or [] if w.pid is not None]
+
+
+def request_loop_reload(loop: Any) -> None:
+    """Stop the workers of ``loop``'s loaders and make its next pass request them again (``setup_data``)."""
+    for loader in loop_loaders(loop):
+        shutdown_workers(loader)
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+    loop._data_fetcher = None
+    loop._combined_loader = None
+
+
+def loop_reload_epoch(loop: Any) -> float | None:
+    """The epoch ``fit``'s validation loop last requested its loader at (``None`` for another loop)."""
+    return getattr(loop, "_last_val_dl_reload_epoch", None)
+
+
+def set_loop_reload_epoch(loop: Any, epoch: float | None) -> None:
+    """Put back what :func:`loop_reload_epoch` read (``setup_data`` sets it at every request)."""
+    if epoch is not None and hasattr(loop, "_last_val_dl_reload_epoch"):
+        loop._last_val_dl_reload_epoch = epoch
+
+
+def loop_iterator(loop: Any) -> Any:
+    """The iterator ``loop``'s running pass pulls its batches from (``None`` before its pass, or past its loaders)."""
+    combined = getattr(loop, "_combined_loader", None)
+    mode_iter = None if combined is None else combined._iterator
+    iterators = getattr(mode_iter, "iterators", None) or []
+    return iterators[0] if len(iterators) == 1 else None
+
+
+def replace_loop_iterator(loop: Any, iterator: Any, loader: Any = None) -> None:
+    """The running pass of ``loop`` pulls its next batches from ``iterator``; with ``loader``, that loader also serves
+    the loop's next passes (its only loader)."""
+    combined = loop._combined_loader
+    combined._iterator.iterators[0] = iterator
+    if loader is not None:
+        combined.flattened = [loader]
+        combined._iterator.iterables = combined.flattened

@@ -194,6 +194,22 @@ class RunCache:
             return None
         return hit
 
+    def start(
+        self, state: Any, loader: Any, cpus: float, trainer: Any, limits: dict[str, Any], agree: Any = None
+    ) -> LoaderSettings | None:
+        """Start the tuning ``state`` of ``loader`` from its cached settings (``TuningState.start_from_cache``), where
+        it has not begun; returns them on a hit. ``agree(key, hit)``: every rank starts on the same config."""
+        if not state.tuning or state.target is not None or state.trials:
+            return None
+        hit = self.lookup(loader, cpus, trainer.strategy.root_device, trainer.num_devices, limits)
+        hit = hit if agree is None else agree(self.key, hit)
+        return hit[0] if hit is not None and state.start_from_cache(*hit) else None
+
+    def teach(self, state: Any) -> None:
+        """Remember what ``state`` (a ``TuningState`` whose tuning ended) settled on."""
+        settings = state.cacheable()
+        self.remember(settings, state.final_trial(settings) if settings else None, state.memory_limit)
+
     @property
     def key(self) -> str:
         """This run's key ("" before a lookup), for ranks to compare."""

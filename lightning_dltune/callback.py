@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,17 +26,19 @@ from lightning_dltune.agree import Agreement
 from lightning_dltune.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.cache import RunCache
 from lightning_dltune.decide import Budget, Policy
+from lightning_dltune.evaluation import EVAL_LOOPS, EvalLoaders, EvalLoopHooks, beside
 from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
 from lightning_dltune.measure import WindowStats
 from lightning_dltune.probe import Probe
-from lightning_dltune.report import build_report, report_path, window_metrics
+from lightning_dltune.report import build_report, window_metrics
 from lightning_dltune.settings import LoaderSettings, check_one_tuner, check_tuner_arguments
 from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
-from lightning_dltune.view import RunView, write_report
+from lightning_dltune.view import RunView
 
 
-class DataLoaderTuner(Callback):
-    r"""Measure how long training waits for data and retune the train ``DataLoader`` between epochs.
+class DataLoaderTuner(EvalLoopHooks, Callback):
+    r"""Measure how long training waits for data and retune the train ``DataLoader`` between epochs, and the
+    validation, test and predict loaders between their passes.
 
     During the first epochs it times every step (data wait, step, other host time), and at each epoch end a
     model of the loader decides whether to rebuild the train loader with other ``num_workers`` /
@@ -94,6 +97,10 @@ class DataLoaderTuner(Callback):
             loaders the tuner builds with workers and in-epoch switching. ``True``: on every sampler; a
             ``RandomSampler`` without a generator is then seeded from the run's seed and the epoch (reproducible,
             but not the order a run without the tuner draws). ``False``: off.
+        eval_loops: the evaluation loops whose loader is measured and tuned too, from ``"val"`` (validation in
+            ``fit`` and ``trainer.validate``), ``"test"`` and ``"predict"`` (see :mod:`lightning_dltune.evaluation`);
+            ``()`` for none. All by default: Lightning validates after every epoch, and a validation loader left at
+            the default 0 workers can take longer than the tuned training it follows.
 
     Raises:
         ValueError: if an argument is outside its allowed values (``TypeError``: of the wrong type).
@@ -124,6 +131,10 @@ class DataLoaderTuner(Callback):
         - ``dltune/gpu_idle_ms``, ``dltune/h2d_ms``: mean idle gap and host-to-device copy per step as the GPU
           saw them (CUDA only, ms)
         - ``dltune/stall_frac_spread``: max minus min stall fraction across ranks (distributed runs only)
+        - ``dltune/val/*``, ``dltune/test/*``, ``dltune/predict/*``: ``stall_frac``, ``data_wait_ms``, ``step_ms``,
+          ``other_ms``, ``samples_per_s``, ``num_workers``, ``prefetch_factor`` of each evaluation pass, once per
+          pass; at the ``global_step`` the pass ran at in ``fit``, at the pass's number (1, 2, ...) of its loop
+          in ``validate``/``test``/``predict`` runs of their own, where ``global_step`` stands still
 
     With a ``TensorBoardLogger``, these are also gathered on one custom-scalars dashboard (category ``dltune``),
     and the summary (headline, diagnosis, table) goes to the Text tab (tag ``dltune/summary``) when tuning ends
@@ -170,16 +181,15 @@ class DataLoaderTuner(Callback):
         verbose: bool = True,
         plot: bool = True,
         seamless_epochs: bool | str = "auto",
+        eval_loops: Sequence[str] = EVAL_LOOPS,
     ) -> None:
         check_tuner_arguments(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
         self._state_key = self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=max_workers)
         self.observe_only, self.tune_iterable, self.mode, self.log_gpu = observe_only, tune_iterable, mode, log_gpu
-        self.cache = None if cache is True else cache
-        self._cache = RunCache(self.cache)
-        self.report_path = None if report_path is True else report_path
-        self.verbose, self.plot = verbose, plot
+        self.cache, self.report_path = None if cache is True else cache, None if report_path is True else report_path
+        self._cache, self.verbose, self.plot = RunCache(self.cache), verbose, plot
         self.view = RunView(plot)
         self.state = TuningState(self.policy, observe_only)
         self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
@@ -187,6 +197,8 @@ class DataLoaderTuner(Callback):
         hooks = (self._lookup_cache, self._fail)
         self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, *hooks, seamless_epochs)
         self.agreement = Agreement()
+        self._limits = {"max_workers": max_workers, "max_prefetch": max_prefetch, "max_memory": max_memory}
+        self.evals = EvalLoaders(eval_loops, self.policy, observe_only, tune_iterable, self.cache, self._limits)
         self.budget: Budget | None = None
         self.report: dict[str, Any] | None = None
         self.report_file: Path | None = None
@@ -209,23 +221,25 @@ class DataLoaderTuner(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         check_one_tuner([c for c in getattr(trainer, "callbacks", []) if isinstance(c, DataLoaderTuner)])
+        reset_warnings()  # a second run (a notebook, a sweep) is told again what the first was told
+        self.budget = tuner_budget(max(1, trainer.num_devices), self.max_workers, self.max_prefetch, self.max_memory)
+        self.agreement, held = Agreement(trainer.strategy), lambda: self.probe.held_bytes(self.state.current)
+        self.evals.install(trainer, stage, self.budget, self.agreement, held, self.verbose)
         if stage != "fit":
             return
         self.state.begin_fit()
         self.view.start()
-        reset_warnings()  # a second fit (a notebook, a sweep) is told again what the first was told
-        self.budget = tuner_budget(
-            max(1, int(trainer.num_devices)), self.max_workers, self.max_prefetch, self.max_memory
-        )
-        self.agreement = Agreement(trainer.strategy)
         self.switcher.single_process = not self.agreement.distributed
         self.probe.start(trainer.strategy.root_device, self.log_gpu)
         self.switcher.install(trainer)
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.evals.restore()
         if stage == "fit":
             self._release()
+        elif self.evals.report(self.budget):  # a validate, test or predict run of its own: its loop in the report
+            self._write_report(trainer, self.report or self._build_report(trainer))
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -234,24 +248,16 @@ class DataLoaderTuner(Callback):
     def _release(self, failed: bool = False) -> None:
         """Undo :meth:`setup`; after a ``failed`` fit, also stop every worker the tuner holds. Safe to call twice."""
         self.switcher.restore(stop_workers=failed)
+        self.evals.restore(stop_workers=failed)
         self.probe.stop()
 
     # --- the cache ----------------------------------------------------------------------------------------------
     def _lookup_cache(self, loader: DataLoader) -> None:
-        trainer = self.switcher.trainer
-        if not self.state.tuning or self.state.target is not None or self.state.trials or trainer is None:
-            return
-        assert self.budget is not None
-        limits = {"max_workers": self.max_workers, "max_prefetch": self.max_prefetch, "max_memory": self.max_memory}
-        hit = self._cache.lookup(loader, self.budget.cpus, trainer.strategy.root_device, trainer.num_devices, limits)
-        hit = self.agreement.same_start(self._cache.key, hit)  # every rank starts on the same config
-        if hit is not None and self.state.start_from_cache(*hit):
-            rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit[0].describe()} ({self._cache.path}).")
-
-    @rank_zero_only
-    def _remember(self) -> None:
-        settings = self.state.cacheable()
-        self._cache.remember(settings, self.state.final_trial(settings) if settings else None, self.state.memory_limit)
+        trainer, budget, cache = self.switcher.trainer, self.budget, self._cache
+        if trainer is not None and budget is not None:  # every rank starts on the same config
+            hit = cache.start(self.state, loader, budget.cpus, trainer, self._limits, self.agreement.same_start)
+            if hit is not None:
+                rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit.describe()} ({cache.path}).")
 
     # --- the loop's hooks ---------------------------------------------------------------------------------------
     @override
@@ -295,10 +301,12 @@ class DataLoaderTuner(Callback):
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.probe.pause()
+        self.probe.pause()  # validation is not training's time
+        super().on_validation_start(trainer, pl_module)
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_validation_end(trainer, pl_module)
         self.probe.resume()
 
     @override
@@ -338,7 +346,8 @@ class DataLoaderTuner(Callback):
         in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
         in_place = self.switcher.changes_in_place  # a prefetch change restarts nothing, more workers start alone
         choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
-        stats, budget, decision = self.agreement.decide(stats, self.budget, choose, self.state.unagreed)
+        budget = beside(self.budget, self.evals.held_bytes())  # the evaluation loops' persistent workers
+        stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed)
         failures = self.agreement.failures
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
         self.probe.memory.measuring = self.state.probing_memory
@@ -368,17 +377,18 @@ class DataLoaderTuner(Callback):
 
     def _tuning_ended(self, trainer: "pl.Trainer") -> None:
         self.plan.in_epoch = False
-        self._remember()
+        rank_zero_only(self._cache.teach)(self.state)
         self.view.summarize(trainer, self.state, say=self.verbose)
 
     # --- checkpoints and the report -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**self.state.state_dict(), **self.switcher.position_state()}
+        return {**self.state.state_dict(), **self.switcher.position_state(), "loops": self.evals.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state.load_state_dict(state_dict)
+        self.evals.load_state_dict(state_dict.get("loops", {}))
         self.switcher.aim(self.state.target)  # now: FSDP/DeepSpeed restore after on_fit_start
         self.switcher.load_position(state_dict)
 
@@ -392,24 +402,21 @@ class DataLoaderTuner(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         assert self.budget is not None
         self.state.finish(self.budget)
+        self.report = self._build_report(trainer)
+        self._write_report(trainer, self.report)
+
+    def _build_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
         agreed = self.agreement.budget
-        self.report = build_report(
-            **self.state.report_content(),
-            budget=self.budget,
-            series=self.view.series,
-            extra={
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "stall_threshold": self.policy.stall_threshold,
-                "settled_step": self.settled_step,
-                "cache_hit": self.cache_hit,
-                "world_size": trainer.world_size,
-                "agreed_budget": None if agreed is None else dataclasses.asdict(agreed),
-                "stall_frac_spread": self.stall_spread,
-            },
-        )
-        # every rank reads log_dir: it broadcasts under DDP, so reading it on rank zero alone would hang or crash
-        log_dir = trainer.log_dir if self.report_path is None else None
-        path = report_path(self.report_path, log_dir, trainer.default_root_dir)
-        if path is not None and trainer.is_global_zero:
-            self.report_file = write_report(path, self.report)
-            self.view.draw(self.report, self.report_file)
+        extra = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "stall_threshold": self.policy.stall_threshold,
+            **{"settled_step": self.settled_step, "cache_hit": self.cache_hit, "world_size": trainer.world_size},
+            "agreed_budget": None if agreed is None else dataclasses.asdict(agreed),
+            "stall_frac_spread": self.stall_spread,
+        }
+        return build_report(**self.state.report_content(), budget=self.budget, series=self.view.series, extra=extra)
+
+    def _write_report(self, trainer: "pl.Trainer", report: dict[str, Any]) -> None:
+        """Write ``report`` with every evaluation loop's section, and draw it."""
+        self.report = {**report, "loops": self.evals.report(self.budget)}
+        self.report_file = self.view.publish(trainer, self.report, self.report_path) or self.report_file

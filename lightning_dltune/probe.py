@@ -296,6 +296,7 @@ class Probe:
         self.nvml: Any = None
         self._nvml_metrics: dict[str, float] = {}
         self._cpu0: tuple[float, float] | None = None
+        self._cpu_paused: tuple[float, float] | None = None  # the CPU seconds when counting paused
         self._batch_bytes: float | None = None
         self._known_batch_bytes = 0.0  # the last batch measured, kept once tuning ended (memory's in flight)
 
@@ -394,12 +395,19 @@ class Probe:
             self._cpu0 = self._cpu_seconds()
 
     def pause(self) -> None:
+        """Stop counting (validation, for instance): its time, and the CPU its workers spend, are not the window's."""
         self.timer.pause()
         if self.gpu is not None:
             self.gpu.pause()
+        if self._cpu0 is not None and self._cpu_paused is None:
+            self._cpu_paused = self._cpu_seconds()
 
     def resume(self) -> None:
         self.timer.resume()
+        paused, self._cpu_paused = self._cpu_paused, None
+        if paused is not None and self._cpu0 is not None:
+            (main0, kids0), (main_p, kids_p), (main1, kids1) = self._cpu0, paused, self._cpu_seconds()
+            self._cpu0 = (main0 + main1 - main_p, kids0 + kids1 - kids_p)
 
     # --- windows --------------------------------------------------------------------------------------------
     @property

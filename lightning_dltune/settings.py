@@ -207,6 +207,7 @@ def check_tuner_arguments(
     verbose: Any,
     plot: Any,
     seamless_epochs: Any,
+    eval_loops: Any = ("val", "test", "predict"),
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
     from lightning_dltune.state import MODES
@@ -243,3 +244,16 @@ def check_tuner_arguments(
             f"`seamless_epochs` must be one of ('auto', True, False), got {seamless_epochs!r}. Use 'auto' to load the "
             "next epoch's first batches ahead where its order is known, False to start every epoch afresh."
         )
+    allowed = ("val", "test", "predict")
+    if isinstance(eval_loops, str) or not all(isinstance(x, str) and x in allowed for x in _items(eval_loops)):
+        raise ValueError(
+            f"`eval_loops` must be a sequence of loop names from {allowed}, got {eval_loops!r}. Use "
+            "('val', 'test', 'predict') to tune every evaluation loader, ('val',) for validation alone, () for none."
+        )
+
+
+def _items(value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        return [None]

@@ -35,6 +35,7 @@ from lightning_dltune.report import (
     STALL_SPREAD,
     STEP_MS,
     WindowSeries,
+    report_path,
     summary_table,
     write_json_atomic,
 )
@@ -113,6 +114,19 @@ class RunView:
         if text != self._summary:
             self._summary = text
             _write_text(trainer, text)
+
+    def publish(self, trainer: "pl.Trainer", report: dict[str, Any], option: Any) -> Path | None:
+        """Write ``report`` where the tuner's ``report_path`` ``option`` says (:func:`report_path`) and draw it, on
+        rank zero; the file written (``None``: none)."""
+        # every rank reads log_dir: it broadcasts under DDP, so reading it on rank zero alone would hang or crash
+        log_dir = trainer.log_dir if option is None else None
+        path = report_path(option, log_dir, trainer.default_root_dir)
+        if path is None or not trainer.is_global_zero:
+            return None
+        written = write_report(path, report)
+        if report.get("series", {}).get("step"):  # a validate, test or predict run of its own has no train series
+            self.draw(report, written)
+        return written
 
     def draw(self, report: Mapping[str, Any], report_file: Path | None) -> Path | None:
         """The picture of ``report`` next to ``report_file`` (``None``: not asked for, no report was written, or not

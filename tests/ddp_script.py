@@ -50,6 +50,24 @@ class Dropout(SimulatedModel):
         return super().training_step((x, *batch[1:]), batch_idx)
 
 
+class WithValidation(SyntheticDataModule):
+    """A validation loader beside the train one (the user's 0 workers), as a plain DataModule returns it."""
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(SyntheticDataset(length=160, latency_ms=5.0), batch_size=16)
+
+
+class Validated(Dropout):
+    """Records each validation batch's indices (sanity check included)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.val_seen: list[list[int]] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.val_seen.append([int(i) for i in batch[2]])
+
+
 class KillOnRank1(pl.Callback):
     """Kill one worker of rank 1's train loader at its 4th batch: a death only that rank sees."""
 
@@ -105,9 +123,12 @@ def main() -> None:
         dataset: SyntheticDataset = Leaky(length=384)
     else:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
-    dm = SyntheticDataModule(dataset, batch_size=16, num_workers=workers)
+    validated = kind == "single"  # with a validation set, validated every epoch
+    dm = (WithValidation if validated else SyntheticDataModule)(dataset, batch_size=16, num_workers=workers)
     ckpt_path = sys.argv[4] if kind == "tail" else None
-    trainer.fit(Dropout(step_ms=5), datamodule=dm, ckpt_path=ckpt_path)
+    model = Validated(step_ms=5) if validated else Dropout(step_ms=5)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    val = tuner.evals.tuners["val"].state
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -129,6 +150,8 @@ def main() -> None:
         "carried": tuner.switcher.seamless.carried,  # epochs begun on the last epoch's iterator (seamless)
         "report_file": None if tuner.report_file is None else str(tuner.report_file),
         "memory_budget": None if tuner.budget is None else tuner.budget.memory_bytes,
+        "val_seen": getattr(model, "val_seen", []),
+        "val_trials": [t.settings.to_loader_kwargs() for t in val.trials],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

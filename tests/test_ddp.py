@@ -69,6 +69,13 @@ def test_two_processes_agree_without_hanging(tmp_path, mode):
     assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
     results = read(tmp_path)
     check_agreement_and_shards(results, tmp_path)
+    # validation: each rank's DistributedSampler shard (unshuffled), in order, at every pass (the sanity check's 2
+    # batches first) as an untuned run has it; its loader's configs agreed on both ranks, the tuner's after the first
+    for r in results:
+        shard = [list(range(r["rank"], 160, 2))[i : i + 16] for i in range(0, 80, 16)]
+        assert r["val_seen"] == shard[:2] + shard * 3
+    assert results[0]["val_trials"] == results[1]["val_trials"]
+    assert results[0]["val_trials"][0]["num_workers"] == 0 and len(results[0]["val_trials"]) > 1
     if mode == "in_epoch":  # windows of 5 steps in 12-step epochs: the loader changed inside an epoch
         assert min(results[0]["steps_per_trial"]) < 12
         # seamless epochs (on by default: a DistributedSampler's order is known ahead) carried the iterator into a

@@ -1,0 +1,536 @@
+"""The evaluation loaders: validation (inside ``fit`` and in ``trainer.validate``), test and predict.
+
+:class:`EvalLoaders` holds one :class:`EvalTuner` per loop name (``"val"``, ``"test"``, ``"predict"``) and forwards the
+callback's hooks to the running stage's. An :class:`EvalTuner` measures its loader pass by pass, as the train loader
+is measured (the wait for each batch against the step, in a :class:`~lightning_dltune.probe.Probe` of its own: the
+pass's first batch, with the creation of its iterator, is its start-up), pools passes until a window has
+``min_steps`` steady steps, and between passes decides with the train loader's model
+(:class:`~lightning_dltune.state.TuningState`), over the batches of the passes left. A switch takes effect at the
+next pass: its loader is rebuilt from the user's last one (the user's hook is not called for it, and Lightning's
+reload schedule is kept). A pass is never switched inside.
+
+The global random state stays as an untuned run leaves it: a pass whose iterator is reset (persistent workers) where
+the user's loader would create one (and draw a base seed) draws that seed; one whose iterator is new where the
+user's would be reset has the draw undone, where its sampler draws nothing (an unshuffled loader; otherwise it is
+said once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_dltune import _lightning
+from lightning_dltune._warn import info_once
+from lightning_dltune.cache import RunCache
+from lightning_dltune.decide import Budget, Decision, Policy
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.probe import Probe
+from lightning_dltune.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
+from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.state import TuningState
+
+EVAL_LOOPS: tuple[str, ...] = ("val", "test", "predict")
+Choose = Callable[[WindowStats, Budget, Callable[..., "Decision | None"]], tuple[WindowStats, Budget, Any]]
+
+
+def loop_name(trainer: "pl.Trainer") -> str | None:
+    """The evaluation loop running now (``"val"`` in a sanity check too), ``None`` in training or outside a loop."""
+    prefix = getattr(trainer.state.stage, "dataloader_prefix", None)
+    return prefix if prefix in EVAL_LOOPS else None
+
+
+def passes_left(trainer: "pl.Trainer") -> int | None:
+    """Validation passes ``fit`` runs after the running one (``None``: unbounded): the training batches left over the
+    batches between two validations."""
+    from lightning_dltune.loader import remaining_steps
+
+    batches = trainer.num_training_batches
+    every = trainer.check_val_every_n_epoch
+    per = trainer.val_check_batch if isinstance(trainer.val_check_batch, int) else batches
+    if not isinstance(per, (int, float)) or per <= 0 or math.isinf(per):
+        return None
+    if every is not None and (math.isinf(batches) or per >= batches):
+        per = every * batches  # once every `every` epochs
+    left = remaining_steps(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+    return None if left is None or math.isinf(per) else int(left // per)
+
+
+class SkipOnce:
+    """A batch sampler over ``batches`` that leaves out its first ``skip`` batches the first time it is iterated
+    (a generator: creating an iterator that is never advanced, as PyTorch does once before its reset, consumes
+    nothing), and yields them all after. Iterating ``batches`` itself, it keeps what that sampler records (Lightning's
+    ``_IndexBatchSamplerWrapper`` records every batch's indices, the left-out ones too)."""
+
+    def __init__(self, batches: Any, skip: int) -> None:
+        self.batches, self.skip = batches, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        yield from islice(iter(self.batches), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.batches) - self.skip
+
+
+def _draws_nothing(loader: DataLoader) -> bool:
+    """Whether iterating ``loader``'s sampler draws no random number (an unshuffled or a distributed one)."""
+    return isinstance(loader.sampler, (SequentialSampler, DistributedSampler))
+
+
+class EvalTuner:
+    """Measures and tunes the loader of one evaluation loop (``name``) across its passes.
+
+    Args:
+        name: ``"val"``, ``"test"`` or ``"predict"``.
+        policy: the decision's knobs (the train loader's).
+        observe_only: measure and report, never rebuild.
+        tune_iterable: also rebuild an ``IterableDataset``'s loader (one that shards itself).
+        cache: the tuner's ``cache`` argument: the loop's settled settings are remembered under its own key.
+        limits: the tuner arguments that bound the search (part of the cache's key).
+        window_steps: steady steps after which a window inside a pass is judged (sooner where
+            :meth:`~lightning_dltune.state.TuningState.judge_early` says so).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: Policy,
+        observe_only: bool = False,
+        tune_iterable: bool = False,
+        cache: Any = False,
+        limits: dict[str, Any] | None = None,
+        window_steps: int = 20,
+    ) -> None:
+        self.name, self.policy, self.tune_iterable, self.window_steps = name, policy, tune_iterable, window_steps
+        self.cache, self.limits = RunCache(cache), {**(limits or {}), "loop": name}
+        self.budget: Budget | None = None
+        self._agree_start: Callable[[str, Any], Any] | None = None
+        self.state = TuningState(policy, observe_only)
+        self.probe = Probe(worker_pids=lambda: _lightning.loop_worker_pids(self.loop))
+        self.series = WindowSeries()
+        self.passes = 0  # passes measured (sanity checks are not)
+        self.loop: Any = None
+        self.trainer: pl.Trainer | None = None
+        self._restores: list[Callable[[], None]] = []
+        self._user_loader: Any = None  # what the user's hook returned last: a switch rebuilds it
+        self._switch = False  # the next request is the tuner's: the user's last loader is rebuilt
+        self._reload_epoch: float | None = None  # Lightning's reload epoch, kept across the tuner's requests
+        self._user_new = False  # Lightning asked the user's hook since the last pass: its iterator would be new
+        self._counting = False  # the running pass is measured
+        self._pass_loader: DataLoader | None = None  # the loader the running pass iterates (until a switch in it)
+        self._in_pass = False  # the running pass may switch inside (one process, a map-style loader that draws nothing)
+        self._done = 0  # batches of the running pass done
+        self._pending: LoaderSettings | None = None  # a switch inside the pass, made at the next fetch
+        self.pass_budget: Budget | None = None  # what the running pass's decisions are taken within
+        self._rng: tuple[DataLoader, bool, bool, list[tuple[torch.Generator | None, torch.Tensor]]] | None = None
+
+    # --- set-up ---------------------------------------------------------------------------------------------
+    def install(self, trainer: "pl.Trainer", budget: Budget, agree_start: Callable[[str, Any], Any]) -> None:
+        """A run of the loop begins (``fit``, ``validate``, ``test`` or ``predict``): route its loader requests, its
+        pass starts and its fetches here. A run held before tries its plan now. ``agree_start(key, hit)``: every
+        rank starts from the same cached config."""
+        self.budget, self._agree_start = budget, agree_start
+        if self.state.held is not None:
+            self.state.target = self.state.held.settings
+        self.state.begin_fit()
+        self.trainer, self.loop = trainer, _lightning.evaluation_loop(trainer, self.name)
+        self.probe.start(torch.device("cpu"), log_gpu=False)
+        self._switch, self._counting, self._rng, self._pending = False, False, None, None
+        self._restores = [
+            _lightning.install_source_transform(self.loop, self._on_request),
+            _lightning.wrap_loop_reset(self.loop, self._before_reset, self._after_reset),
+            _lightning.install_loop_fetch_hooks(self.loop, self._before_fetch, self.probe.fetch_ended),
+        ]
+
+    def restore(self) -> None:
+        """Undo :meth:`install`; safe to call twice."""
+        for restore in reversed(self._restores):
+            restore()
+        self._restores = []
+        self.probe.stop()
+
+    def shutdown(self) -> None:
+        """Stop the workers of the loop's loaders and of its running iterator now (after a failed run)."""
+        if self.loop is None:
+            return
+        iterator = _lightning.loop_iterator(self.loop)
+        if iterator is not None:
+            _lightning.shutdown_iterator(iterator)
+        for loader in _lightning.loop_loaders(self.loop):
+            _lightning.shutdown_workers(loader)
+
+    def _measure_only(self, why: str) -> None:
+        if self.state.tuning:
+            self.state.disable()
+            info_once(f"eval-{self.name}-measured", f"DataLoaderTuner: the {self.name} loader is measured only: {why}.")
+
+    # --- building -------------------------------------------------------------------------------------------
+    def _on_request(self, original: Callable[[], Any]) -> Any:
+        """Every loader request of the loop passes here (see ``_lightning.install_source_transform``)."""
+        switch, self._switch = self._switch, False
+        if switch and self._user_loader is not None:
+            _lightning.set_loop_reload_epoch(self.loop, self._reload_epoch)  # the request was the tuner's
+            loader = self._user_loader
+        else:
+            loader = self._user_loader = original()
+            self._user_new = True
+        if not isinstance(loader, DataLoader):
+            self._measure_only(f"it is a {type(loader).__name__}, not one `torch.utils.data.DataLoader`")
+            return loader
+        current = LoaderSettings.from_loader(loader)
+        if self.state.loader_seen(current) and self.budget is not None:
+            assert self.trainer is not None
+            hit = self.cache.start(self.state, loader, self.budget.cpus, self.trainer, self.limits, self._agree_start)
+            if hit is not None:
+                rank_zero_info(f"DataLoaderTuner: the {self.name} loader starts from cached settings {hit.describe()}.")
+        if isinstance(loader.dataset, IterableDataset) and not self.tune_iterable:
+            self._measure_only("its dataset is an IterableDataset (see `tune_iterable`)")
+        target = self.state.target if self.state.switching else None
+        if target is not None and target != current:
+            try:
+                loader = _lightning.rebuild_dataloader(loader, target.to_loader_kwargs(), quiet=True)
+            except _lightning.NotRebuildableError as ex:
+                self._measure_only(f"it cannot be rebuilt ({ex})")
+        self.state.current = LoaderSettings.from_loader(loader)
+        self.probe.loader_built(self.state.current.num_workers)
+        return loader
+
+    def _before_reset(self) -> None:
+        """A pass creates (or resets) its iterator: its start-up begins, and what it draws is noted."""
+        assert self.trainer is not None
+        self._counting = True  # a sanity check too: its batches are the loader's first measurement
+        loaders = _lightning.loop_loaders(self.loop)
+        start, self._rng = self.state.start, None
+        if len(loaders) == 1 and isinstance(loaders[0], DataLoader) and start is not None:
+            user_new = self._user_new or start.num_workers == 0 or not start.persistent_workers
+            new = not _lightning.will_reuse_iterator(loaders[0])
+            self._rng = (loaders[0], user_new, new, _base_seed_states(loaders[0]))
+        self._user_new = False
+        if self.state.tuner_changed_workers() and len(loaders) == 1:  # the count is the tuner's, and measured
+            _lightning.quiet_worker_check(loaders[0])
+        if self._counting:
+            self.probe.loader_requested()
+
+    def _after_reset(self) -> None:
+        """Leave the random state as the user's loader would have (see the module's docstring)."""
+        loaders = _lightning.loop_loaders(self.loop)
+        self._pass_loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
+        if self._rng is None:
+            return
+        (loader, user_new, new, saved), self._rng = self._rng, None
+        if user_new and not new:
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        elif new and not user_new and _draws_nothing(loader):
+            for generator, state in saved:
+                torch.set_rng_state(state) if generator is None else generator.set_state(state)
+        elif new and not user_new:
+            info_once(
+                f"eval-{self.name}-rng",
+                f"DataLoaderTuner: the {self.name} loader shuffles and was switched: this pass drew one random number "
+                "more than a run without the tuner would have.",
+            )
+
+    # --- the loop's events ----------------------------------------------------------------------------------
+    def pass_started(self, trainer: "pl.Trainer", budget: Budget, distributed: bool) -> None:
+        """A pass begins, its decisions within ``budget``; on one process (not ``distributed``: every rank would
+        have to switch at the same batch) it may switch inside where its loader allows (:meth:`_can_switch_inside`)."""
+        self._done, self._pending, self.pass_budget = 0, None, budget
+        self._in_pass = not distributed and self._can_switch_inside()
+        if self._counting:
+            self.probe.epoch_started(self._pass_batches())
+
+    def _pass_batches(self) -> float:
+        return float(sum(b for b in getattr(self.loop, "max_batches", []) if not math.isinf(b)))
+
+    def _can_switch_inside(self) -> bool:
+        """Whether the running pass can go on from its batch on another loader: a map-style dataset served in order,
+        a sampler that draws nothing (the rest of the pass is the same batches), a loader the tuner may rebuild."""
+        loader, iterator = self._pass_loader, _lightning.loop_iterator(self.loop)
+        if loader is None or iterator is None or not self.state.tuning or not _lightning.in_order(iterator):
+            return False
+        return not isinstance(loader.dataset, IterableDataset) and _draws_nothing(loader)
+
+    def batch_started(self) -> None:
+        if self._counting:
+            self.probe.step_started()
+
+    def batch_ended(self, batch: Any, trainer: "pl.Trainer", left: Callable[[], int | None]) -> None:
+        """A step ended; inside a pass that may switch, judge the window once it has its steps or can be judged
+        early, over the rest of the pass and the ``left()`` passes after it."""
+        if not self._counting:
+            return
+        self.probe.step_ended(batch, details=not self.state.done)
+        self._done += 1
+        if not (self._in_pass and self.state.tuning and self.pass_budget is not None):
+            return
+        now = self.probe.peek()
+        if now.steps < self.window_steps and not self.state.judge_early(now, self.pass_budget):
+            return
+        rest = self._pass_batches() - self._done
+        passes = left()
+        remaining = None if passes is None else int(rest + passes * self._pass_batches())
+        stats = self.probe.close()
+        decision = self.state.decide(stats, self.pass_budget, remaining)
+        change = self.state.apply(decision, stats, self.pass_budget, self._step(trainer))
+        self._decided(decision, trainer)
+        if change is not None and change.settings != self.state.current and rest > 1:  # one more is fetched already
+            self._log(trainer)  # the steps so far ran on the running config: logged under it
+            self._pending = change.settings
+
+    def _before_fetch(self) -> None:
+        if self._pending is not None:
+            self._switch_inside(self._pending)
+        self.probe.fetch_started()
+
+    def _switch_inside(self, settings: LoaderSettings) -> None:
+        """Go on from the batch the pass reached on a loader built with ``settings``: its batch sampler leaves out the
+        batches the running iterator yielded (those the loop took, and the one its fetcher holds), the first time it
+        is iterated only; in ``fit`` it serves the next passes too (its persistent workers carry over)."""
+        self._pending = None
+        old, iterator = self._pass_loader, _lightning.loop_iterator(self.loop)
+        if old is None or iterator is None:
+            return
+        taken = _lightning.batches_yielded(iterator)
+        batches = SkipOnce(old.batch_sampler, taken)
+        overrides = {"batch_sampler": batches, "batch_size": 1, "shuffle": False, "sampler": None, "drop_last": False}
+        keeps = self.trainer is not None and self.trainer.state.fn == "fit" and self.name == "val"
+        if not keeps:  # a run of its own: this pass is its last, and nothing would stop persistent workers after it
+            overrides["persistent_workers"] = False
+        # from the user's loader: Lightning's own rebuild of it (the prediction loop's) may not be rebuilt again
+        user = self._user_loader if isinstance(self._user_loader, DataLoader) else old
+        try:
+            new = _lightning.rebuild_dataloader(user, {**settings.to_loader_kwargs(), **overrides}, quiet=True)
+        except _lightning.NotRebuildableError as ex:
+            return self._measure_only(f"it cannot be rebuilt inside a pass ({ex})")
+        saved = _base_seed_states(new)
+        fresh = self.probe.build_loader(lambda: iter(new))
+        for generator, state in saved:  # a new iterator draws a base seed the user's running one did not
+            torch.set_rng_state(state) if generator is None else generator.set_state(state)
+        _lightning.shutdown_iterator(iterator)
+        if keeps:  # the old loader's persistent workers are not needed again
+            _lightning.shutdown_workers(old)
+        _lightning.replace_loop_iterator(self.loop, fresh, new if keeps else None)
+        self._pass_loader = new
+        self.state.current = settings
+        self.probe.rebuilt_in_fetch()
+        self.probe.loader_built(self.state.current.num_workers)
+
+
+    def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agree: Choose) -> bool:
+        """The pass ended, with ``left`` passes to come (``None``: unbounded): log it, and judge the window once it
+        has its steps (or no pass is left). ``agree`` takes the decision on every rank alike. True when tuning
+        ended here."""
+        if not self._counting or self.state.current is None:
+            return False
+        self._counting = False
+        self.passes += 0 if trainer.sanity_checking else 1
+        self._log(trainer)
+        ended = False
+        if self.state.done:
+            self.probe.skip()
+        elif self.probe.window_steps >= self.policy.min_steps or left == 0:
+            stats = self.probe.close()
+            remaining = None if left is None else int(left * self._pass_batches())
+            choose = lambda s, b, failed: self.state.decide(s, b, remaining, failed)  # noqa: E731
+            stats, budget, decision = agree(stats, budget, choose)
+            self.state.apply(decision, stats, budget, self._step(trainer))
+            ended = self._decided(decision, trainer)
+        target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
+        serving = LoaderSettings.from_loader(loaders[0]) if len(loaders) == 1 else None
+        if trainer.state.fn == "fit" and left != 0 and target is not None and serving not in (None, target):
+            self._reload_epoch, self._switch = _lightning.loop_reload_epoch(self.loop), True
+            _lightning.request_loop_reload(self.loop)  # the next pass runs on the target
+        return ended
+
+    def _decided(self, decision: Decision | None, trainer: "pl.Trainer") -> bool:
+        """Whether ``decision`` ended the loop's tuning: then the cache learns the result (on rank zero)."""
+        ended = decision is not None and self.state.done
+        if ended and trainer.is_global_zero:
+            self.cache.teach(self.state)
+        return ended
+
+    def _step(self, trainer: "pl.Trainer") -> int:
+        """The step axis of the loop's metrics: in ``fit`` the ``global_step`` validation ran at; in a run of its
+        own, where ``global_step`` stands still, the pass's number (1, 2, ...)."""
+        return trainer.global_step if trainer.state.fn == "fit" else self.passes + int(self._counting)
+
+    def _log(self, trainer: "pl.Trainer") -> None:
+        """The steps since the last log (a pass, or its part before a switch inside it): into the series (as the
+        train loader's), and to every logger under the loop's name."""
+        stats = self.probe.take_log()[0]
+        if not stats.steps or self.state.current is None:
+            return
+        step, metrics = self._step(trainer), window_metrics(stats, None, self.state.current)
+        self.series.record(step, metrics)
+        named = {f"{PREFIX}{self.name}/{k[len(PREFIX):]}": v for k, v in metrics.items()}
+        for logger in trainer.loggers if trainer.is_global_zero else []:
+            logger.log_metrics(named, step=step)
+
+    # --- results --------------------------------------------------------------------------------------------
+    def held_bytes(self) -> float:
+        """What this loop's persistent workers hold while other loops run (0 without them)."""
+        current = self.state.current
+        if current is None or not current.persistent_workers or not _lightning.loop_worker_pids(self.loop):
+            return 0.0
+        return self.probe.held_bytes(current)
+
+    def summary(self) -> str:
+        return f"[{self.name}] {self.state.headline()}\n{summary_table(self.state.trials, self.state.result)}"
+
+    def report(self, budget: Budget | None) -> dict[str, Any]:
+        """The loop's section of the report: the train loader's fields, with its passes."""
+        extra = {"passes": self.passes, "settled_step": self.state.settled_step}
+        report = build_report(**self.state.report_content(), budget=budget, series=self.series, extra=extra)
+        report.pop("version")
+        return report
+
+
+def _base_seed_states(loader: DataLoader) -> list[tuple[torch.Generator | None, torch.Tensor]]:
+    """The states a new iterator's base seed is drawn from: the loader's generator, or the global one."""
+    generator = loader.generator
+    return [(None, torch.get_rng_state())] if generator is None else [(generator, generator.get_state())]
+
+
+class EvalLoaders:
+    """One :class:`EvalTuner` per evaluation loop in ``loops``, and the hooks that reach the running one."""
+
+    def __init__(
+        self,
+        loops: Sequence[str],
+        policy: Policy,
+        observe_only: bool = False,
+        tune_iterable: bool = False,
+        cache: Any = False,
+        limits: dict[str, Any] | None = None,
+    ) -> None:
+        self.tuners = {name: EvalTuner(name, policy, observe_only, tune_iterable, cache, limits) for name in loops}
+        self.running: EvalTuner | None = None
+        self.budget: Budget | None = None
+        self.agreement: Any = None
+        self.train_held: Callable[[], float] = lambda: 0.0
+        self.verbose = True
+
+    def install(
+        self,
+        trainer: "pl.Trainer",
+        stage: str,
+        budget: Budget,
+        agreement: Any,
+        train_held: Callable[[], float] = lambda: 0.0,
+        verbose: bool = True,
+    ) -> None:
+        """``stage`` begins: ``fit`` runs the validation loop, ``validate`` too; ``test`` and ``predict`` theirs.
+        ``agreement``: the run's :class:`~lightning_dltune.agree.Agreement`; ``train_held()``: what the train
+        loader's workers hold (alive during validation in ``fit``); ``verbose``: print a loop's summary when its
+        tuning ends."""
+        name = {"fit": "val", "validate": "val"}.get(stage, stage)
+        self.restore()
+        self.budget, self.agreement, self.train_held, self.verbose = budget, agreement, train_held, verbose
+        self.running = self.tuners.get(name)
+        if self.running is not None:
+            self.running.install(trainer, budget, agreement.same_start)
+
+    def restore(self, stop_workers: bool = False) -> None:
+        if self.running is not None:
+            if stop_workers:
+                self.running.shutdown()
+            self.running.restore()
+        self.running = None
+
+    def _now(self, trainer: "pl.Trainer") -> EvalTuner | None:
+        tuner = self.running
+        return tuner if tuner is not None and loop_name(trainer) == tuner.name else None
+
+    def pass_started(self, trainer: "pl.Trainer") -> None:
+        if (tuner := self._now(trainer)) is not None and self.budget is not None:
+            tuner.pass_started(trainer, beside(self.budget, self._held_beside(tuner, trainer)), self.distributed)
+
+    def _held_beside(self, tuner: EvalTuner, trainer: "pl.Trainer") -> float:
+        """What the other loaders' workers hold while ``tuner``'s pass runs (the train loader's, in ``fit``)."""
+        train = self.train_held() if trainer.state.fn == "fit" else 0.0
+        return sum(t.held_bytes() for t in self.tuners.values() if t is not tuner) + train
+
+    @property
+    def distributed(self) -> bool:
+        return self.agreement is not None and self.agreement.distributed
+
+    def _left(self, trainer: "pl.Trainer") -> int | None:
+        """Passes of the running loop after this one: in ``fit``, as many as validation runs; else none."""
+        return passes_left(trainer) if trainer.state.fn == "fit" else 0
+
+    def batch_started(self, trainer: "pl.Trainer") -> None:
+        if (tuner := self._now(trainer)) is not None:
+            tuner.batch_started()
+
+    def batch_ended(self, trainer: "pl.Trainer", batch: Any) -> None:
+        if (tuner := self._now(trainer)) is not None:
+            tuner.batch_ended(batch, trainer, lambda: self._left(trainer))
+
+    def pass_ended(self, trainer: "pl.Trainer") -> None:
+        """Judge the running pass, within the memory the other loaders' workers leave; in ``fit`` with the passes
+        left, else as the loop's only one."""
+        tuner = self._now(trainer)
+        if tuner is None or self.budget is None:
+            return
+        budget = beside(self.budget, self._held_beside(tuner, trainer))
+        agree = lambda s, b, choose: self.agreement.decide(s, b, choose)  # noqa: E731
+        if tuner.pass_ended(trainer, budget, self._left(trainer), agree) and self.verbose:
+            rank_zero_info(f"DataLoaderTuner {tuner.summary()}\nDiagnosis: {tuner.state.diagnosis}")
+
+    def held_bytes(self) -> float:
+        """What the evaluation loops' persistent workers hold (idle while training runs)."""
+        return sum(t.held_bytes() for t in self.tuners.values())
+
+    def report(self, budget: Budget | None) -> dict[str, Any]:
+        """Each measured loop's section of the report."""
+        return {name: t.report(budget) for name, t in self.tuners.items() if t.passes or t.state.trials}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: t.state.state_dict() for name, t in self.tuners.items() if t.state.trials}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if name in self.tuners and isinstance(saved, dict):
+                self.tuners[name].state.load_state_dict(saved)
+
+
+def beside(budget: Budget, held_bytes: float) -> Budget:
+    """``budget`` with ``held_bytes`` (workers of another loader, alive meanwhile) taken from its memory."""
+    if budget.memory_bytes is None or held_bytes <= 0:
+        return budget
+    return replace(budget, memory_bytes=max(1.0, budget.memory_bytes - held_bytes))
+
+
+class EvalLoopHooks(Callback):
+    """The evaluation loops' hooks of :class:`~lightning_dltune.DataLoaderTuner`, forwarded to its ``evals``
+    (:class:`EvalLoaders`)."""
+
+    evals: EvalLoaders
+
+    def _pass_started(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self.evals.pass_started(trainer)
+
+    def _batch_started(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+        self.evals.batch_started(trainer)
+
+    def _batch_ended(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+        self.evals.batch_ended(trainer, batch)
+
+    def _pass_ended(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self.evals.pass_ended(trainer)
+
+    on_validation_start = on_test_start = on_predict_start = _pass_started  # type: ignore[assignment]
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _batch_started  # type: ignore[assignment]
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _batch_ended  # type: ignore[assignment]
+    on_validation_end = on_test_end = on_predict_end = _pass_ended  # type: ignore[assignment]

@@ -1,0 +1,274 @@
+"""The evaluation loaders (validation in ``fit`` and ``trainer.validate``, test, predict) are measured and tuned."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.decide import Budget
+from lightning_dltune.evaluation import beside
+from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+
+from helpers import make_trainer, scalars
+
+
+class EvalModel(SimulatedModel):
+    """Records every evaluation batch's dataset indices, per loop, and every train batch's."""
+
+    def __init__(self):
+        super().__init__(step_ms=1.0)
+        self.seen = {"train": [], "val": [], "test": [], "predict": []}
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"].append(batch[2].tolist())
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen["val"].append(batch[2].tolist())
+
+    def test_step(self, batch, batch_idx):
+        self.seen["test"].append(batch[2].tolist())
+
+    def predict_step(self, batch, batch_idx):
+        self.seen["predict"].append(batch[2].tolist())
+        return batch[2]
+
+
+class EvalData(pl.LightningDataModule):
+    """A plain DataModule (no mixin) whose loaders all take the user's ``**loader_kwargs``, as in issue 36."""
+
+    def __init__(self, train=96, val=160, latency_ms=4.0, **loader_kwargs):
+        super().__init__()
+        self.train_set = SyntheticDataset(train, latency_ms=1.0)
+        self.eval_set = SyntheticDataset(val, latency_ms=latency_ms)
+        self.predict_set = SyntheticDataset(3 * val, latency_ms=latency_ms)  # long enough to switch inside its pass
+        self.loader_kwargs = loader_kwargs
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=16, shuffle=True, **self.loader_kwargs)
+
+    def val_dataloader(self):
+        return DataLoader(self.eval_set, batch_size=16, **self.loader_kwargs)
+
+    test_dataloader = val_dataloader
+
+    def predict_dataloader(self):
+        return DataLoader(self.predict_set, batch_size=16, **self.loader_kwargs)
+
+
+class Indices(BasePredictionWriter):
+    """The batch indices Lightning hands a prediction writer, batch by batch."""
+
+    def __init__(self):
+        super().__init__(write_interval="batch")
+        self.batch_indices = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.batch_indices.append(list(batch_indices))
+
+
+def fit(tmp_path, callbacks, epochs=3, **kwargs):
+    pl.seed_everything(7)
+    model = EvalModel()
+    trainer = make_trainer(tmp_path, callbacks, max_epochs=epochs, **kwargs)
+    trainer.fit(model, datamodule=EvalData())
+    return model, trainer
+
+
+class RandomState(pl.Callback):
+    """The global random state after each validation pass."""
+
+    def __init__(self):
+        self.states = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.states.append(torch.get_rng_state())
+
+
+def test_validation_loader_is_tuned_exact_logged_and_reported(tmp_path):
+    tuner, after_tuned, after_untuned = DataLoaderTuner(), RandomState(), RandomState()
+    logger = TensorBoardLogger(tmp_path / "tuned", name="")
+    tuned, trainer = fit(tmp_path / "tuned", [tuner, after_tuned], logger=logger)
+    untuned, _ = fit(tmp_path / "untuned", [after_untuned], logger=False)
+    # every validation pass and every training epoch saw the samples of a run without the tuner, in its order, and
+    # each pass left the global random state as it did there: the tuner's persistent validation workers are reset,
+    # not created, where the user's loader draws a base seed at every pass (the train loader shuffles from that state)
+    assert tuned.seen == untuned.seen
+    assert len(after_tuned.states) == 4  # the sanity check and three passes
+    assert all(torch.equal(a, b) for a, b in zip(after_tuned.states, after_untuned.states, strict=True))
+    val = tuner.evals.tuners["val"]
+    assert val.passes == 3  # the sanity check is measured, not counted as a pass
+    assert val.state.trials[0].settings.num_workers == 0  # the user's own loader, measured first
+    assert val.state.trials[0].decision.startswith("try")
+    assert val.state.current.num_workers > 0  # validation ran on the tuner's workers after the first pass
+    report = json.loads(tuner.report_file.read_text())
+    assert report["loops"]["val"]["passes"] == 3
+    assert report["loops"]["val"]["series"]["num_workers"][0] == 0
+    assert report["loops"]["val"]["series"]["num_workers"][-1] == val.state.current.num_workers
+    assert [t["settings"]["num_workers"] for t in report["loops"]["val"]["trials"]][0] == 0
+    # the passes' metrics, under the loop's name, read back from TensorBoard; the train ones kept their names
+    # the sanity check's batches, on the user's 0 workers, were the first window (logged at step 0): every pass of
+    # the run then ran on the tuner's workers
+    steps = report["loops"]["val"]["series"]["step"]
+    assert len(steps) == 4 and steps[0] == 0 < steps[1] < steps[2] < steps[3]
+    workers = scalars(logger.log_dir, "dltune/val/num_workers")
+    assert workers == report["loops"]["val"]["series"]["num_workers"]
+    assert workers[0] == 0 and workers[1:] == [val.state.current.num_workers] * 3
+    assert len(scalars(logger.log_dir, "dltune/val/stall_frac")) == 4
+    assert scalars(logger.log_dir, "dltune/stall_frac")
+
+
+def test_restored_after_fit(tmp_path):
+    """After ``fit`` the evaluation loop's loader requests, reset and fetch hooks are Lightning's again."""
+    tuner = DataLoaderTuner(report_path=False)
+    _, trainer = fit(tmp_path, [tuner], epochs=1, logger=False)
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    assert "dataloader" not in vars(loop._data_source)
+    assert "reset" not in vars(loop) and "_on_before_fetch" not in vars(loop)
+
+
+def test_eval_loops_off_leaves_validation_alone(tmp_path):
+    tuner = DataLoaderTuner(eval_loops=(), report_path=False)
+    model, trainer = fit(tmp_path, [tuner], epochs=2, logger=False)
+    assert trainer.val_dataloaders.num_workers == 0
+    assert not tuner.evals.tuners
+    assert len(model.seen["val"]) == 2 + 2 * 10  # the sanity check's 2 batches, then 10 per epoch
+
+
+def test_validate_test_and_predict_on_their_own(tmp_path):
+    """A standalone run is one pass: measured, logged and reported; its plan is what the next run of that loop tries,
+    and the batches come back in the same order whatever the config."""
+    tuner, writer = DataLoaderTuner(), Indices()
+    logger = TensorBoardLogger(tmp_path, name="")
+    trainer = make_trainer(tmp_path, [tuner, writer], logger=logger)
+    model, data = EvalModel(), EvalData()
+    trainer.validate(model, datamodule=data)
+    trainer.test(model, datamodule=data)
+    first = trainer.predict(model, datamodule=data)
+    second = trainer.predict(model, datamodule=data)
+    expected = [list(range(i, i + 16)) for i in range(0, 160, 16)]
+    assert model.seen["val"] == model.seen["test"] == expected
+    expected = [list(range(i, i + 16)) for i in range(0, 480, 16)]
+    assert model.seen["predict"] == expected + expected
+    assert [p.tolist() for p in first] == [p.tolist() for p in second] == expected
+    # each batch's indices as Lightning's prediction writers see them, across the switch inside the first pass
+    assert writer.batch_indices == expected + expected
+    predict = tuner.evals.tuners["predict"]
+    assert predict.passes == 2
+    assert predict.state.trials[0].settings.num_workers == 0
+    workers = predict.state.trials[1].settings.num_workers
+    assert workers > 0  # switched inside the first pass, after its first window
+    assert len(predict.series.points) == 3  # the first pass logged on each config, the second once
+    report = json.loads((tmp_path / "version_0" / "dltune_report.json").read_text())
+    assert set(report["loops"]) == {"val", "test", "predict"}
+    assert report["loops"]["predict"]["passes"] == 2
+    assert scalars(logger.log_dir, "dltune/test/stall_frac")
+    assert scalars(logger.log_dir, "dltune/predict/num_workers") == [0, workers, workers]  # as the series
+
+
+def test_checkpoint_carries_each_loops_state(tmp_path):
+    tuner = DataLoaderTuner(report_path=False)
+    fit(tmp_path, [tuner], epochs=2, logger=False)
+    state = tuner.state_dict()
+    assert state["loops"]["val"]["trials"]
+    resumed = DataLoaderTuner()
+    resumed.load_state_dict(state)
+    val = tuner.evals.tuners["val"].state
+    planned = val.held.settings if val.held is not None else val.target  # a held loop's plan: a resumed run tries it
+    assert planned is not None and planned.num_workers > 0
+    assert resumed.evals.tuners["val"].state.target == planned
+    assert resumed.evals.tuners["val"].state.trials == tuner.evals.tuners["val"].state.trials
+    older = {k: v for k, v in state.items() if k != "loops"}  # a checkpoint written before evaluation loops were
+    DataLoaderTuner().load_state_dict(older)
+
+
+def test_persistent_workers_of_another_loader_are_taken_from_the_memory_budget():
+    budget = Budget(cpus=2, max_workers=16, memory_bytes=1e9)
+    assert beside(budget, 3e8).memory_bytes == pytest.approx(7e8)
+    assert beside(budget, 0.0) is budget
+    assert beside(Budget(cpus=2, max_workers=16), 3e8).memory_bytes is None
+
+
+@pytest.mark.parametrize("value", ["val", ("train",), 3])
+def test_eval_loops_argument_is_checked(value):
+    with pytest.raises(ValueError, match="`eval_loops` must be a sequence of loop names"):
+        DataLoaderTuner(eval_loops=value)
+
+
+class CountingData(EvalData):
+    """Counts the calls of its validation hook."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.val_requests = 0
+
+    def val_dataloader(self):
+        self.val_requests += 1
+        return super().val_dataloader()
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"limit_val_batches": 3},  # short passes: pooled into windows
+        {"check_val_every_n_epoch": 2, "max_epochs": 4},
+        {"val_check_interval": 0.5},  # validation inside the training epoch, the train loader's workers alive
+        {"reload_dataloaders_every_n_epochs": 1},  # the user's schedule: the hook is asked as often as untuned
+    ],
+    ids=["limit_val_batches", "every_2_epochs", "twice_an_epoch", "reload_every_epoch"],
+)
+def test_validation_schedules_stay_exact(tmp_path, schedule):
+    runs = []
+    for callbacks in ([DataLoaderTuner(report_path=False)], []):
+        pl.seed_everything(7)
+        model, data = EvalModel(), CountingData()
+        opts = {"max_epochs": 2, **schedule}
+        make_trainer(tmp_path, callbacks, logger=False, **opts).fit(model, datamodule=data)
+        runs.append((model.seen, data.val_requests, callbacks))
+    (tuned, asked, (tuner,)), (untuned, untuned_asked, _) = runs
+    assert tuned == untuned
+    assert asked == untuned_asked  # the tuner's own switches do not call the hook
+    val = tuner.evals.tuners["val"]
+    assert val.state.trials and val.state.trials[0].settings.num_workers == 0
+    assert val.state.current.num_workers > 0
+
+
+def test_a_model_without_validation_step_is_left_alone(tmp_path):
+    class NoValidation(EvalModel):
+        validation_step = None
+
+    tuner = DataLoaderTuner(report_path=False)
+    make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(NoValidation(), datamodule=EvalData())
+    assert tuner.evals.tuners["val"].passes == 0 and not tuner.evals.tuners["val"].state.trials
+
+
+def test_an_iterable_validation_dataset_is_measured_only(tmp_path, lightning_log):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(SyntheticDataset(96, latency_ms=2.0)[i] for i in range(96))
+
+    class StreamData(EvalData):
+        def val_dataloader(self):
+            return DataLoader(Stream(), batch_size=16)
+
+    tuner = DataLoaderTuner(report_path=False)
+    model = EvalModel()
+    make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(model, datamodule=StreamData())
+    val = tuner.evals.tuners["val"]
+    assert val.state.phase == "disabled" and val.state.current.num_workers == 0 and val.passes == 2
+    assert len(model.seen["val"]) == 2 + 2 * 6
+    assert "the val loader is measured only: its dataset is an IterableDataset" in lightning_log.text
+
+
+def test_a_standalone_loops_result_is_cached_for_the_next_run(tmp_path, lightning_log):
+    for _ in range(2):
+        tuner = DataLoaderTuner(report_path=False)
+        make_trainer(tmp_path, [tuner], logger=False).predict(EvalModel(), datamodule=EvalData())
+    predict = tuner.evals.tuners["predict"]
+    assert predict.state.cache_hit and predict.state.trials[0].settings.num_workers > 0
+    assert "the predict loader starts from cached settings" in lightning_log.text
