@@ -765,23 +765,24 @@ def evaluation_loop(trainer: "pl.Trainer", name: str) -> Any:
     return trainer.test_loop if name == "test" else trainer.predict_loop
 
 
-def wrap_loop_reset(loop: Any, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
-    """Call ``before``/``after`` around ``loop.reset()``, where an evaluation pass creates its iterator (forking
-    its workers, unless persistent ones are reset) and its fetcher takes the first batch. Returns the undo."""
-    original = loop.reset
+def wrap_loop_method(loop: Any, name: str, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    """Call ``before``/``after`` around ``loop.<name>()``: an evaluation loop's ``reset``, where a pass creates its
+    iterator (forking its workers, unless persistent ones are reset) and its fetcher takes the first batch, or its
+    ``run``, the whole pass (its loader's request, ``reset`` and hooks). Returns the undo."""
+    original = getattr(loop, name)
 
-    def reset() -> None:
+    def wrapped() -> Any:
         before()
         try:
-            original()
+            return original()
         finally:
             after()
 
-    loop.reset = reset
+    setattr(loop, name, wrapped)
 
     def restore() -> None:
-        if loop.__dict__.get("reset") is reset:
-            del loop.__dict__["reset"]
+        if loop.__dict__.get(name) is wrapped:
+            del loop.__dict__[name]
 
     return restore
 

@@ -224,7 +224,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         reset_warnings()  # a second run (a notebook, a sweep) is told again what the first was told
         self.budget = tuner_budget(max(1, trainer.num_devices), self.max_workers, self.max_prefetch, self.max_memory)
         self.agreement, held = Agreement(trainer.strategy), lambda: self.probe.held_bytes(self.state.current)
-        self.evals.install(trainer, stage, self.budget, self.agreement, held, self.verbose)
+        around = (self.probe.pause, self.probe.resume)  # validation is not training's time, its set-up included
+        self.evals.install(trainer, stage, self.budget, self.agreement, held, self.verbose, around)
         if stage != "fit":
             return
         self.state.begin_fit()
@@ -239,7 +240,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         if stage == "fit":
             self._release()
         elif self.evals.report(self.budget):  # a validate, test or predict run of its own: its loop in the report
-            self._write_report(trainer, self.report or self._build_report(trainer))
+            self._write_report(trainer, self.report or self._build_report(trainer), draw=False)
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -416,7 +417,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         }
         return build_report(**self.state.report_content(), budget=self.budget, series=self.view.series, extra=extra)
 
-    def _write_report(self, trainer: "pl.Trainer", report: dict[str, Any]) -> None:
-        """Write ``report`` with every evaluation loop's section, and draw it."""
+    def _write_report(self, trainer: "pl.Trainer", report: dict[str, Any], draw: bool = True) -> None:
+        """Write ``report`` with every evaluation loop's section, and (``draw``, after ``fit``) draw it."""
         self.report = {**report, "loops": self.evals.report(self.budget)}
-        self.report_file = self.view.publish(trainer, self.report, self.report_path) or self.report_file
+        self.report_file = self.view.publish(trainer, self.report, self.report_path, draw) or self.report_file

@@ -35,6 +35,7 @@ from lightning_dltune._warn import info_once
 from lightning_dltune.cache import RunCache
 from lightning_dltune.decide import Budget, Decision, Policy
 from lightning_dltune.measure import WindowStats
+from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.probe import Probe
 from lightning_dltune.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
 from lightning_dltune.settings import LoaderSettings
@@ -116,6 +117,9 @@ class EvalTuner:
         self.cache, self.limits = RunCache(cache), {**(limits or {}), "loop": name}
         self.budget: Budget | None = None
         self._agree_start: Callable[[str, Any], Any] | None = None
+        # called as each run of the loop (a pass, its loader's request and set-up included) begins and ends: in `fit`,
+        # the train loader's measurement pauses (see `EvalLoaders.install`)
+        self.around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None)
         self.state = TuningState(policy, observe_only)
         self.probe = Probe(worker_pids=lambda: _lightning.loop_worker_pids(self.loop))
         self.series = WindowSeries()
@@ -148,8 +152,9 @@ class EvalTuner:
         self.probe.start(torch.device("cpu"), log_gpu=False)
         self._switch, self._counting, self._rng, self._pending = False, False, None, None
         self._restores = [
-            _lightning.install_source_transform(self.loop, self._on_request),
-            _lightning.wrap_loop_reset(self.loop, self._before_reset, self._after_reset),
+            _lightning.install_source_transform(self.loop, self._on_request, self.state.tuner_changed_workers),
+            _lightning.wrap_loop_method(self.loop, "reset", self._before_reset, self._after_reset),
+            _lightning.wrap_loop_method(self.loop, "run", *self.around),
             _lightning.install_loop_fetch_hooks(self.loop, self._before_fetch, self.probe.fetch_ended),
         ]
 
@@ -284,6 +289,7 @@ class EvalTuner:
         decision = self.state.decide(stats, self.pass_budget, remaining)
         change = self.state.apply(decision, stats, self.pass_budget, self._step(trainer))
         self._decided(decision, trainer)
+        self._aim(trainer)
         if change is not None and change.settings != self.state.current and rest > 1:  # one more is fetched already
             self._log(trainer)  # the steps so far ran on the running config: logged under it
             self._pending = change.settings
@@ -346,12 +352,19 @@ class EvalTuner:
             stats, budget, decision = agree(stats, budget, choose)
             self.state.apply(decision, stats, budget, self._step(trainer))
             ended = self._decided(decision, trainer)
+            self._aim(trainer)
         target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
         serving = LoaderSettings.from_loader(loaders[0]) if len(loaders) == 1 else None
         if trainer.state.fn == "fit" and left != 0 and target is not None and serving not in (None, target):
             self._reload_epoch, self._switch = _lightning.loop_reload_epoch(self.loop), True
             _lightning.request_loop_reload(self.loop)  # the next pass runs on the target
         return ended
+
+    def _aim(self, trainer: "pl.Trainer") -> None:
+        """Mirror the loop's target onto a mixin DataModule (``loader_kwargs_for``), and so into its checkpoints."""
+        datamodule, target = getattr(trainer, "datamodule", None), self.state.target
+        if target is not None and isinstance(datamodule, TunableDataModuleMixin):
+            datamodule.set_loop_settings(self.name, target)
 
     def _decided(self, decision: Decision | None, trainer: "pl.Trainer") -> bool:
         """Whether ``decision`` ended the loop's tuning: then the cache learns the result (on rank zero)."""
@@ -429,16 +442,19 @@ class EvalLoaders:
         agreement: Any,
         train_held: Callable[[], float] = lambda: 0.0,
         verbose: bool = True,
+        around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None),
     ) -> None:
         """``stage`` begins: ``fit`` runs the validation loop, ``validate`` too; ``test`` and ``predict`` theirs.
         ``agreement``: the run's :class:`~lightning_dltune.agree.Agreement`; ``train_held()``: what the train
         loader's workers hold (alive during validation in ``fit``); ``verbose``: print a loop's summary when its
-        tuning ends."""
+        tuning ends; ``around``: called as each of the loop's runs begins and ends (the train loader's measurement
+        pauses for all of validation, its set-up before ``on_validation_start`` too)."""
         name = {"fit": "val", "validate": "val"}.get(stage, stage)
         self.restore()
         self.budget, self.agreement, self.train_held, self.verbose = budget, agreement, train_held, verbose
         self.running = self.tuners.get(name)
         if self.running is not None:
+            self.running.around = around
             self.running.install(trainer, budget, agreement.same_start)
 
     def restore(self, stop_workers: bool = False) -> None:

@@ -99,6 +99,7 @@ def draw_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     config.set_ylim(bottom=0)
     config.set_ylabel("loader config")
     config.set_xlabel("global step")
+    _draw_validation(report, stall, config)
     for i, step in enumerate(config_changes(steps, s["num_workers"], s["prefetch_factor"])):
         for ax in (stall, rate, config):
             ax.axvline(step, color="tab:red", linestyle="--", alpha=0.6, label="config changed" if i == 0 else None)
@@ -112,3 +113,14 @@ def draw_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def _draw_validation(report: Mapping[str, Any], stall: Any, config: Any) -> None:
+    """The validation loader's passes, at the steps they ran at: its stall and its ``num_workers`` (crosses)."""
+    loops = report.get("loops")
+    series = loops.get("val", {}).get("series") if isinstance(loops, Mapping) else None
+    if not isinstance(series, Mapping) or not series.get("step"):
+        return
+    marks = {"linestyle": "none", "marker": "x", "markersize": 5, "color": "tab:brown"}
+    stall.plot(series["step"], series["stall_frac"], label="validation pass: data wait / wall time", **marks)
+    config.plot(series["step"], series["num_workers"], label="validation num_workers", **marks)

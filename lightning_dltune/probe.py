@@ -297,12 +297,14 @@ class Probe:
         self._nvml_metrics: dict[str, float] = {}
         self._cpu0: tuple[float, float] | None = None
         self._cpu_paused: tuple[float, float] | None = None  # the CPU seconds when counting paused
+        self._paused = 0  # pauses not resumed yet (they nest)
         self._batch_bytes: float | None = None
         self._known_batch_bytes = 0.0  # the last batch measured, kept once tuning ended (memory's in flight)
 
     def start(self, device: Any, log_gpu: bool = True) -> None:
         """A new ``fit`` on ``device``: fresh windows; on CUDA a GPU timeline and (``log_gpu``) NVML sampling."""
         self.timer = StepTimer(self._clock, self._cpu_clock)
+        self._paused, self._cpu_paused = 0, None
         self.gpu = gpu.timeline_for(device)
         self._cpu0 = self._batch_bytes = None
         self.memory.start()
@@ -395,7 +397,11 @@ class Probe:
             self._cpu0 = self._cpu_seconds()
 
     def pause(self) -> None:
-        """Stop counting (validation, for instance): its time, and the CPU its workers spend, are not the window's."""
+        """Stop counting (validation, for instance): its time, and the CPU its workers spend, are not the window's.
+        Pauses nest: counting resumes at the :meth:`resume` of the outermost."""
+        self._paused += 1
+        if self._paused > 1:
+            return
         self.timer.pause()
         if self.gpu is not None:
             self.gpu.pause()
@@ -403,6 +409,9 @@ class Probe:
             self._cpu_paused = self._cpu_seconds()
 
     def resume(self) -> None:
+        self._paused = max(0, self._paused - 1)
+        if self._paused:
+            return
         self.timer.resume()
         paused, self._cpu_paused = self._cpu_paused, None
         if paused is not None and self._cpu0 is not None:

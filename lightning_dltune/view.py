@@ -50,6 +50,8 @@ DASHBOARD_CHARTS: dict[str, tuple[str, ...]] = {
     "throughput (samples/s)": (SAMPLES_PER_S,),
     "workers": (NUM_WORKERS, PREFETCH_FACTOR),
     "GPU utilization (%)": (GPU_UTIL_PCT, GPU_MEM_PCT),
+    "evaluation loaders: stall (per pass)": tuple(f"dltune/{loop}/stall_frac" for loop in ("val", "test", "predict")),
+    "evaluation loaders: workers": tuple(f"dltune/{loop}/num_workers" for loop in ("val", "test", "predict")),
 }
 
 
@@ -115,16 +117,16 @@ class RunView:
             self._summary = text
             _write_text(trainer, text)
 
-    def publish(self, trainer: "pl.Trainer", report: dict[str, Any], option: Any) -> Path | None:
-        """Write ``report`` where the tuner's ``report_path`` ``option`` says (:func:`report_path`) and draw it, on
-        rank zero; the file written (``None``: none)."""
+    def publish(self, trainer: "pl.Trainer", report: dict[str, Any], option: Any, draw: bool = True) -> Path | None:
+        """Write ``report`` where the tuner's ``report_path`` ``option`` says (:func:`report_path`) and, ``draw``,
+        draw it, on rank zero; the file written (``None``: none)."""
         # every rank reads log_dir: it broadcasts under DDP, so reading it on rank zero alone would hang or crash
         log_dir = trainer.log_dir if option is None else None
         path = report_path(option, log_dir, trainer.default_root_dir)
         if path is None or not trainer.is_global_zero:
             return None
         written = write_report(path, report)
-        if report.get("series", {}).get("step"):  # a validate, test or predict run of its own has no train series
+        if draw:
             self.draw(report, written)
         return written
 

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lightning_dltune import DataLoaderTuner
+from lightning_dltune import DataLoaderTuner, TunableDataModuleMixin
 from lightning_dltune.decide import Budget
 from lightning_dltune.evaluation import beside
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
@@ -272,3 +272,72 @@ def test_a_standalone_loops_result_is_cached_for_the_next_run(tmp_path, lightnin
     predict = tuner.evals.tuners["predict"]
     assert predict.state.cache_hit and predict.state.trials[0].settings.num_workers > 0
     assert "the predict loader starts from cached settings" in lightning_log.text
+
+
+class MixinData(TunableDataModuleMixin, pl.LightningDataModule):
+    """The mixin's way in: the train loader takes ``loader_kwargs``, the validation loader ``loader_kwargs_for``."""
+
+    def __init__(self):
+        super().__init__()
+        self.train_set, self.eval_set = SyntheticDataset(96, latency_ms=1.0), SyntheticDataset(160, latency_ms=4.0)
+        self.num_workers, self.prefetch_factor, self.pin_memory, self.persistent_workers = 0, None, False, False
+        self.built_val_with = []
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=16, shuffle=True, **self.loader_kwargs)
+
+    def val_dataloader(self):
+        self.built_val_with.append(self.loader_kwargs_for("val")["num_workers"])
+        return DataLoader(self.eval_set, batch_size=16, **self.loader_kwargs_for("val"))
+
+
+def test_mixin_validation_settings_live_on_the_datamodule(tmp_path):
+    data = MixinData()
+    assert data.loader_kwargs_for("val") == data.loader_kwargs_for("train") == data.loader_kwargs
+    tuner = DataLoaderTuner(report_path=False)
+    pl.seed_everything(7)
+    model = EvalModel()
+    # Lightning asks for the validation loader again every epoch: the hook then builds it with the tuner's settings
+    make_trainer(tmp_path, [tuner], max_epochs=3, logger=False, reload_dataloaders_every_n_epochs=1).fit(
+        model, datamodule=data
+    )
+    target = tuner.evals.tuners["val"].state.target
+    assert target.num_workers > 0 and data.loader_kwargs_for("val") == target.to_loader_kwargs()
+    assert data.built_val_with[0] == 0 and data.built_val_with[-1] == target.num_workers
+    assert data.state_dict()["dltune_loop_settings"]["val"] == target.to_loader_kwargs()
+    restored = MixinData()
+    restored.load_state_dict(data.state_dict())
+    assert restored.loader_kwargs_for("val") == target.to_loader_kwargs()
+    assert model.seen["val"] == [list(range(i, i + 16)) for i in range(0, 160, 16)][:2] + [
+        list(range(i, i + 16)) for i in range(0, 160, 16)
+    ] * 3
+
+
+def test_validation_is_left_out_of_the_train_window_its_set_up_and_its_workers_cpu_too():
+    """The validation loop's run (its loader request, its iterator's creation and first batch, then the pass) pauses
+    the train loader's measurement; pauses nest (the run around ``on_validation_start``/``_end``); the CPU the
+    children spend meanwhile is not the window's."""
+    from lightning_dltune.probe import Probe
+
+    now, cpu = [0.0], [(0.0, 0.0)]
+    probe = Probe(clock=lambda: now[0], cpu_clock=lambda: 0.0, cpu_seconds=lambda: cpu[0])
+    probe.timer.epoch_started()
+    for _ in range(2):  # steady steps of 10 ms
+        probe.step_started()
+        now[0] += 0.01
+        probe.step_ended(torch.zeros(4, 2))
+    probe.pause()  # the validation loop's run begins: its set-up (0.5 s, validation workers using 3 s of CPU)
+    now[0] += 0.5
+    probe.pause()  # on_validation_start
+    now[0] += 1.0
+    cpu[0] = (0.0, 3.0)
+    probe.resume()  # on_validation_end: still inside the run
+    now[0] += 0.25
+    probe.resume()  # the run returns
+    probe.step_started()
+    now[0] += 0.01
+    probe.step_ended(torch.zeros(4, 2))
+    stats = probe.close()
+    assert stats.other_s == pytest.approx(0.0)  # none of the 1.75 s of validation
+    assert stats.excluded_s == pytest.approx(1.75)
+    assert stats.worker_cpu_s == pytest.approx(0.0)
