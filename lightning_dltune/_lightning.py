@@ -797,7 +797,7 @@ def loop_worker_pids(loop: Any) -> list[int]:
     """PIDs of the workers of ``loop``'s running loader iterator (empty without workers)."""
     combined = getattr(loop, "_combined_loader", None)
     mode_iter = None if combined is None else combined._iterator
-    iterators = getattr(mode_iter, "iterators", None) or []
+    iterators = [getattr(it, "inner", it) for it in getattr(mode_iter, "iterators", None) or []]  # guards unwrapped
     return [w.pid for it in iterators for w in getattr(it, "_workers", None) or [] if w.pid is not None]
 
 

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_dltune import _lightning
-from lightning_dltune._warn import info_once
+from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.cache import RunCache
 from lightning_dltune.decide import Budget, Decision, Policy
 from lightning_dltune.measure import WindowStats
@@ -42,7 +42,6 @@ from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import TuningState
 
 EVAL_LOOPS: tuple[str, ...] = ("val", "test", "predict")
-Choose = Callable[[WindowStats, Budget, Callable[..., "Decision | None"]], tuple[WindowStats, Budget, Any]]
 
 
 def loop_name(trainer: "pl.Trainer") -> str | None:
@@ -65,6 +64,24 @@ def passes_left(trainer: "pl.Trainer") -> int | None:
         per = every * batches  # once every `every` epochs
     left = remaining_steps(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
     return None if left is None or math.isinf(per) else int(left // per)
+
+
+class PassGuard(Iterator[Any]):
+    """The iterator an evaluation pass pulls its batches from: ``inner`` until a switch inside the pass replaces it,
+    and ``recover(error, guard)`` asked on an error (True: it replaced ``inner``, and the batch is fetched again)."""
+
+    def __init__(self, inner: Iterator[Any], recover: Callable[[BaseException, PassGuard], bool]) -> None:
+        self.inner, self._recover = inner, recover
+
+    def __next__(self) -> Any:
+        while True:
+            try:
+                return next(self.inner)
+            except StopIteration:
+                raise
+            except Exception as error:
+                if not self._recover(error, self):
+                    raise
 
 
 class SkipOnce:
@@ -171,7 +188,7 @@ class EvalTuner:
             return
         iterator = _lightning.loop_iterator(self.loop)
         if iterator is not None:
-            _lightning.shutdown_iterator(iterator)
+            _lightning.shutdown_iterator(getattr(iterator, "inner", iterator))
         for loader in _lightning.loop_loaders(self.loop):
             _lightning.shutdown_workers(loader)
 
@@ -228,9 +245,13 @@ class EvalTuner:
             self.probe.loader_requested()
 
     def _after_reset(self) -> None:
-        """Leave the random state as the user's loader would have (see the module's docstring)."""
+        """Guard the pass's iterator (:class:`PassGuard`), and leave the random state as the user's loader would have
+        (see the module's docstring)."""
         loaders = _lightning.loop_loaders(self.loop)
         self._pass_loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
+        iterator = _lightning.loop_iterator(self.loop)
+        if self._pass_loader is not None and iterator is not None:
+            _lightning.replace_loop_iterator(self.loop, PassGuard(iterator, self._recover))
         if self._rng is None:
             return
         (loader, user_new, new, saved), self._rng = self._rng, None
@@ -261,10 +282,16 @@ class EvalTuner:
     def _can_switch_inside(self) -> bool:
         """Whether the running pass can go on from its batch on another loader: a map-style dataset served in order,
         a sampler that draws nothing (the rest of the pass is the same batches), a loader the tuner may rebuild."""
-        loader, iterator = self._pass_loader, _lightning.loop_iterator(self.loop)
-        if loader is None or iterator is None or not self.state.tuning or not _lightning.in_order(iterator):
+        loader, guard = self._pass_loader, _lightning.loop_iterator(self.loop)
+        if loader is None or not isinstance(guard, PassGuard) or not self.state.tuning:
             return False
-        return not isinstance(loader.dataset, IterableDataset) and _draws_nothing(loader)
+        return self._resumable(loader, guard.inner)
+
+    @staticmethod
+    def _resumable(loader: DataLoader, iterator: Any) -> bool:
+        """Whether a pass over ``loader`` can go on from its batch on another loader (see :meth:`_can_switch_inside`)."""
+        plain = not isinstance(loader.dataset, IterableDataset) and _draws_nothing(loader)
+        return plain and _lightning.in_order(iterator)
 
     def batch_started(self) -> None:
         if self._counting:
@@ -300,13 +327,20 @@ class EvalTuner:
         self.probe.fetch_started()
 
     def _switch_inside(self, settings: LoaderSettings) -> None:
-        """Go on from the batch the pass reached on a loader built with ``settings``: its batch sampler leaves out the
-        batches the running iterator yielded (those the loop took, and the one its fetcher holds), the first time it
-        is iterated only; in ``fit`` it serves the next passes too (its persistent workers carry over)."""
+        """Go on from the batch the pass reached on a loader built with ``settings``."""
         self._pending = None
-        old, iterator = self._pass_loader, _lightning.loop_iterator(self.loop)
-        if old is None or iterator is None:
-            return
+        guard = _lightning.loop_iterator(self.loop)
+        if isinstance(guard, PassGuard):
+            self._go_on(guard, settings)
+
+    def _go_on(self, guard: PassGuard, settings: LoaderSettings) -> bool:
+        """The pass goes on from its batch on a loader built with ``settings``: its batch sampler leaves out the
+        batches the running iterator yielded (those the loop took, and the one its fetcher holds), the first time it
+        is iterated only; in ``fit`` it serves the next passes too (its persistent workers carry over). False where
+        it could not be built (the loader is measured only from then on)."""
+        old, iterator = self._pass_loader, guard.inner
+        if old is None:
+            return False
         taken = _lightning.batches_yielded(iterator)
         batches = SkipOnce(old.batch_sampler, taken)
         overrides = {"batch_sampler": batches, "batch_size": 1, "shuffle": False, "sampler": None, "drop_last": False}
@@ -318,7 +352,8 @@ class EvalTuner:
         try:
             new = _lightning.rebuild_dataloader(user, {**settings.to_loader_kwargs(), **overrides}, quiet=True)
         except _lightning.NotRebuildableError as ex:
-            return self._measure_only(f"it cannot be rebuilt inside a pass ({ex})")
+            self._measure_only(f"it cannot be rebuilt inside a pass ({ex})")
+            return False
         saved = _base_seed_states(new)
         fresh = self.probe.build_loader(lambda: iter(new))
         for generator, state in saved:  # a new iterator draws a base seed the user's running one did not
@@ -326,17 +361,46 @@ class EvalTuner:
         _lightning.shutdown_iterator(iterator)
         if keeps:  # the old loader's persistent workers are not needed again
             _lightning.shutdown_workers(old)
-        _lightning.replace_loop_iterator(self.loop, fresh, new if keeps else None)
+        guard.inner = fresh
+        if keeps:
+            _lightning.replace_loop_iterator(self.loop, guard, new)
         self._pass_loader = new
         self.state.current = settings
         self.probe.rebuilt_in_fetch()
         self.probe.loader_built(self.state.current.num_workers)
+        return True
+
+    def _recover(self, error: BaseException, guard: PassGuard) -> bool:
+        """A worker of the pass's loader died: record its config as failed, and go on from the batch the pass reached
+        on the fallback config (no batch lost or repeated). False (the error propagates) for any other error, where
+        the pass cannot go on from its batch, or past the recoveries allowed."""
+        from lightning_dltune.switch import is_worker_death
+
+        iterator, loader, budget = guard.inner, self._pass_loader, self.pass_budget or self.budget
+        failed, trainer = self.state.current, self.trainer
+        if not is_worker_death(error, _lightning.worker_died(iterator)) or loader is None or budget is None:
+            return False
+        if failed is None or trainer is None or not self._resumable(loader, iterator):
+            return False
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        why = f"a DataLoader worker died: {lines[-1] if lines else type(error).__name__}"
+        distributed = trainer.world_size > 1  # the other ranks learn it at the pass's end
+        fallback = self.state.fail(WindowStats(), why, budget, self._step(trainer), agree_later=distributed)
+        if fallback is None or not self._go_on(guard, fallback):
+            return False
+        warn_once(
+            f"eval-{self.name}-fallback-{self.state.recoveries}",
+            f"DataLoaderTuner: {why}. Rebuilt the {self.name} loader with {fallback.describe()} (was "
+            f"{failed.describe()}) and went on from the batch the pass had reached: no sample lost or repeated.",
+            every_rank=True,
+        )
+        return True
 
 
-    def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agree: Choose) -> bool:
+    def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agreement: Any) -> bool:
         """The pass ended, with ``left`` passes to come (``None``: unbounded): log it, and judge the window once it
-        has its steps (or no pass is left). ``agree`` takes the decision on every rank alike. True when tuning
-        ended here."""
+        has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.agree.Agreement`) takes the
+        decision on every rank alike, a config that failed on one rank included. True when tuning ended here."""
         if not self._counting or self.state.current is None:
             return False
         self._counting = False
@@ -345,12 +409,12 @@ class EvalTuner:
         ended = False
         if self.state.done:
             self.probe.skip()
-        elif self.probe.window_steps >= self.policy.min_steps or left == 0:
+        elif self._window_steps(agreement.distributed) >= self.policy.min_steps or left == 0:
             stats = self.probe.close()
             remaining = None if left is None else int(left * self._pass_batches())
             choose = lambda s, b, failed: self.state.decide(s, b, remaining, failed)  # noqa: E731
-            stats, budget, decision = agree(stats, budget, choose)
-            self.state.apply(decision, stats, budget, self._step(trainer))
+            stats, budget, decision = agreement.decide(stats, budget, choose, self.state.unagreed)
+            self.state.apply(decision, stats, budget, self._step(trainer), agreement.failures)
             ended = self._decided(decision, trainer)
             self._aim(trainer)
         target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
@@ -359,6 +423,11 @@ class EvalTuner:
             self._reload_epoch, self._switch = _lightning.loop_reload_epoch(self.loop), True
             _lightning.request_loop_reload(self.loop)  # the next pass runs on the target
         return ended
+
+    def _window_steps(self, distributed: bool) -> int:
+        """Under DDP every rank must close a window at the same pass: count what all ranks count alike (a rank that
+        recovered from a dead worker has a start-up step more)."""
+        return self.probe.window_batches if distributed else self.probe.window_steps
 
     def _aim(self, trainer: "pl.Trainer") -> None:
         """Mirror the loop's target onto a mixin DataModule (``loader_kwargs_for``), and so into its checkpoints."""
@@ -500,8 +569,7 @@ class EvalLoaders:
         if tuner is None or self.budget is None:
             return
         budget = beside(self.budget, self._held_beside(tuner, trainer))
-        agree = lambda s, b, choose: self.agreement.decide(s, b, choose)  # noqa: E731
-        if tuner.pass_ended(trainer, budget, self._left(trainer), agree) and self.verbose:
+        if tuner.pass_ended(trainer, budget, self._left(trainer), self.agreement) and self.verbose:
             rank_zero_info(f"DataLoaderTuner {tuner.summary()}\nDiagnosis: {tuner.state.diagnosis}")
 
     def held_bytes(self) -> float:

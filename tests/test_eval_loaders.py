@@ -341,3 +341,37 @@ def test_validation_is_left_out_of_the_train_window_its_set_up_and_its_workers_c
     assert stats.other_s == pytest.approx(0.0)  # none of the 1.75 s of validation
     assert stats.excluded_s == pytest.approx(1.75)
     assert stats.worker_cpu_s == pytest.approx(0.0)
+
+
+class KillValidationWorker(pl.Callback):
+    """Kill a worker of the validation loader at the 4th batch of the last pass."""
+
+    def __init__(self, epoch):
+        self.epoch, self.killed = epoch, None
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        import os
+        import signal
+
+        from lightning_dltune import _lightning
+
+        if trainer.sanity_checking or trainer.current_epoch != self.epoch or batch_idx != 3 or self.killed:
+            return
+        pids = _lightning.loop_worker_pids(trainer.fit_loop.epoch_loop.val_loop)
+        if pids:
+            self.killed = pids[0]
+            os.kill(pids[0], signal.SIGKILL)
+
+
+def test_a_validation_worker_killed_mid_pass_loses_and_repeats_nothing(tmp_path, recwarn):
+    # few workers, so that the killed one still has batches of the pass to load (with 16, it had loaded them all)
+    tuner, kill = DataLoaderTuner(report_path=False, max_workers=4), KillValidationWorker(epoch=2)
+    tuned, _ = fit(tmp_path / "tuned", [tuner, kill], logger=False)
+    untuned, _ = fit(tmp_path / "untuned", [], logger=False)
+    assert kill.killed is not None  # the tuner's workers served that pass
+    assert tuned.seen == untuned.seen
+    val = tuner.evals.tuners["val"].state
+    (failed,) = [t for t in val.trials if t.failed]
+    assert "a DataLoader worker died" in failed.failed and failed.settings.num_workers > 0
+    assert val.phase == "settled" and val.current != failed.settings
+    assert any("no sample lost or repeated" in str(w.message) for w in recwarn)
