@@ -165,7 +165,7 @@ def install_source_transform(
                 warnings.filterwarnings("ignore", message=_WORKER_COUNT_WARNING, category=UserWarning)
             return transform(original)
 
-    source.dataloader = dataloader  # type: ignore[method-assign]
+    source.dataloader = dataloader
 
     def restore() -> None:
         if source.__dict__.get("dataloader") is dataloader:
@@ -195,8 +195,8 @@ def install_loop_fetch_hooks(loop: Any, before: Callable[[], None], after: Calla
         orig_after()
         after()
 
-    loop._on_before_fetch = on_before_fetch  # type: ignore[method-assign]
-    loop._on_after_fetch = on_after_fetch  # type: ignore[method-assign]
+    loop._on_before_fetch = on_before_fetch
+    loop._on_after_fetch = on_after_fetch
 
     def restore() -> None:
         for name, fn in (("_on_before_fetch", on_before_fetch), ("_on_after_fetch", on_after_fetch)):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from itertools import islice
 from dataclasses import replace
+from itertools import islice
 from typing import Any
 
 import lightning.pytorch as pl
@@ -289,7 +289,7 @@ class EvalTuner:
 
     @staticmethod
     def _resumable(loader: DataLoader, iterator: Any) -> bool:
-        """Whether a pass over ``loader`` can go on from its batch on another loader (see :meth:`_can_switch_inside`)."""
+        """Whether a pass over ``loader`` can go on from its batch on another loader (:meth:`_can_switch_inside`)."""
         plain = not isinstance(loader.dataset, IterableDataset) and _draws_nothing(loader)
         return plain and _lightning.in_order(iterator)
 
@@ -396,7 +396,6 @@ class EvalTuner:
         )
         return True
 
-
     def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agreement: Any) -> bool:
         """The pass ended, with ``left`` passes to come (``None``: unbounded): log it, and judge the window once it
         has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.agree.Agreement`) takes the
@@ -455,7 +454,7 @@ class EvalTuner:
             return
         step, metrics = self._step(trainer), window_metrics(stats, None, self.state.current)
         self.series.record(step, metrics)
-        named = {f"{PREFIX}{self.name}/{k[len(PREFIX):]}": v for k, v in metrics.items()}
+        named = {f"{PREFIX}{self.name}/{k[len(PREFIX) :]}": v for k, v in metrics.items()}
         for logger in trainer.loggers if trainer.is_global_zero else []:
             logger.log_metrics(named, step=step)
 
@@ -615,6 +614,6 @@ class EvalLoopHooks(Callback):
         self.evals.pass_ended(trainer)
 
     on_validation_start = on_test_start = on_predict_start = _pass_started  # type: ignore[assignment]
-    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _batch_started  # type: ignore[assignment]
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _batch_started
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _batch_ended  # type: ignore[assignment]
     on_validation_end = on_test_end = on_predict_end = _pass_ended  # type: ignore[assignment]

@@ -244,10 +244,10 @@ def check_tuner_arguments(
             f"`seamless_epochs` must be one of ('auto', True, False), got {seamless_epochs!r}. Use 'auto' to load the "
             "next epoch's first batches ahead where its order is known, False to start every epoch afresh."
         )
-    allowed = ("val", "test", "predict")
-    if isinstance(eval_loops, str) or not all(isinstance(x, str) and x in allowed for x in _items(eval_loops)):
+    loops = ("val", "test", "predict")
+    if isinstance(eval_loops, str) or not all(isinstance(x, str) and x in loops for x in _items(eval_loops)):
         raise ValueError(
-            f"`eval_loops` must be a sequence of loop names from {allowed}, got {eval_loops!r}. Use "
+            f"`eval_loops` must be a sequence of loop names from {loops}, got {eval_loops!r}. Use "
             "('val', 'test', 'predict') to tune every evaluation loader, ('val',) for validation alone, () for none."
         )
 

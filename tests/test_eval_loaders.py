@@ -93,7 +93,7 @@ class RandomState(pl.Callback):
 def test_validation_loader_is_tuned_exact_logged_and_reported(tmp_path):
     tuner, after_tuned, after_untuned = DataLoaderTuner(), RandomState(), RandomState()
     logger = TensorBoardLogger(tmp_path / "tuned", name="")
-    tuned, trainer = fit(tmp_path / "tuned", [tuner, after_tuned], logger=logger)
+    tuned, _ = fit(tmp_path / "tuned", [tuner, after_tuned], logger=logger)
     untuned, _ = fit(tmp_path / "untuned", [after_untuned], logger=False)
     # every validation pass and every training epoch saw the samples of a run without the tuner, in its order, and
     # each pass left the global random state as it did there: the tuner's persistent validation workers are reset,
@@ -110,7 +110,7 @@ def test_validation_loader_is_tuned_exact_logged_and_reported(tmp_path):
     assert report["loops"]["val"]["passes"] == 3
     assert report["loops"]["val"]["series"]["num_workers"][0] == 0
     assert report["loops"]["val"]["series"]["num_workers"][-1] == val.state.current.num_workers
-    assert [t["settings"]["num_workers"] for t in report["loops"]["val"]["trials"]][0] == 0
+    assert report["loops"]["val"]["trials"][0]["settings"]["num_workers"] == 0
     # the passes' metrics, under the loop's name, read back from TensorBoard; the train ones kept their names
     # the sanity check's batches, on the user's 0 workers, were the first window (logged at step 0): every pass of
     # the run then ran on the tuner's workers
@@ -308,9 +308,11 @@ def test_mixin_validation_settings_live_on_the_datamodule(tmp_path):
     restored = MixinData()
     restored.load_state_dict(data.state_dict())
     assert restored.loader_kwargs_for("val") == target.to_loader_kwargs()
-    assert model.seen["val"] == [list(range(i, i + 16)) for i in range(0, 160, 16)][:2] + [
-        list(range(i, i + 16)) for i in range(0, 160, 16)
-    ] * 3
+    assert (
+        model.seen["val"]
+        == [list(range(i, i + 16)) for i in range(0, 160, 16)][:2]
+        + [list(range(i, i + 16)) for i in range(0, 160, 16)] * 3
+    )
 
 
 def test_validation_is_left_out_of_the_train_window_its_set_up_and_its_workers_cpu_too():
