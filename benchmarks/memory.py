@@ -49,7 +49,7 @@ def run(dataset: PythonObjectsDataset, workers: int, epochs: int, tuner: DataLoa
     counts = collections.Counter(model.seen_indices)
     return {
         "seconds": time.perf_counter() - t0,
-        "peak_worker_mb": watch.peak / MiB,
+        "peak_worker_mib": watch.peak / MiB,
         "exact": counts == collections.Counter({i: epochs for i in range(len(dataset))}),
     }
 
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     dataset = PythonObjectsDataset(length=960, strings=2_000_000, latency_ms=6.0)
     static_workers = 8  # 96 ms per batch against a 10 ms step: about 8 workers hide the latency
     static = run(dataset, static_workers, epochs, None)
-    print(f"static {static_workers} workers: peak {static['peak_worker_mb']:.0f} MB, {static['seconds']:.1f} s")
+    print(f"static {static_workers} workers: peak {static['peak_worker_mib']:.0f} MiB, {static['seconds']:.1f} s")
     tuner = DataLoaderTuner(max_memory=BUDGET, verbose=False, report_path=False, cache=False)  # a fresh tuning run
     tuned = run(dataset, 0, epochs, tuner)
     over = [t for t in tuner.trials if t.failed and "memory budget" in t.failed]
     result = {
-        "budget_mb": BUDGET / MiB,
+        "budget_mib": BUDGET / MiB,
         "epochs": epochs,
         "static": {"workers": static_workers, **static},
         "tuner": {
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     section = (
         f"Memory budget (`benchmarks/memory.py`): 2 million Python strings read a slice per sample (copy-on-read), "
         f"6 ms per sample, batch 16, {epochs} epochs, `DataLoaderTuner(max_memory=600 MiB)` from 0 workers. The "
-        f"workers' total unique memory, sampled every 250 ms by the benchmark: tuner peak {t['peak_worker_mb']:.0f} "
-        f"MB against the 600 MiB budget ({t['peak_worker_mb'] / result['budget_mb']:.2f}x), settled on "
+        f"workers' total unique memory, sampled every 250 ms by the benchmark: tuner peak {t['peak_worker_mib']:.0f} "
+        f"MiB against the 600 MiB budget ({t['peak_worker_mib'] / result['budget_mib']:.2f}x), settled on "
         f"{t['workers']} workers, samples {'exact' if t['exact'] else 'NOT exact'}, {t['seconds']:.1f} s; a static "
-        f"{static_workers} workers peaked at {static['peak_worker_mb']:.0f} MB "
-        f"({static['peak_worker_mb'] / result['budget_mb']:.2f}x the budget), {static['seconds']:.1f} s."
+        f"{static_workers} workers peaked at {static['peak_worker_mib']:.0f} MiB "
+        f"({static['peak_worker_mib'] / result['budget_mib']:.2f}x the budget), {static['seconds']:.1f} s."
     )
     print("\n" + section)
     if args.write_md:

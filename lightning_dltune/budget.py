@@ -20,9 +20,6 @@ class CpuBudget:
 
     cpus: float
     bound_by: str
-    affinity: int
-    quota: float | None
-    local_world_size: int
 
 
 def _read(path: Path) -> str | None:
@@ -155,13 +152,7 @@ def cpu_budget(root: str | os.PathLike[str] = "/", local_world_size: int = 1) ->
         cpus, bound_by = by_affinity, "affinity" + (" (this rank's own CPUs)" if own_cpus else "")
     if local_world_size > 1 and not (own_cpus and bound_by.startswith("affinity")):
         bound_by += f" / {local_world_size} local ranks"
-    return CpuBudget(
-        cpus=max(cpus, 0.5),
-        bound_by=bound_by,
-        affinity=affinity,
-        quota=quota,
-        local_world_size=local_world_size,
-    )
+    return CpuBudget(cpus=max(cpus, 0.5), bound_by=bound_by)
 
 
 def default_max_workers(cpus: float) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -125,6 +125,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         - ``dltune/samples_per_s``: training throughput of the window (samples/s)
         - ``dltune/num_workers``: ``num_workers`` of the current train loader
         - ``dltune/prefetch_factor``: its ``prefetch_factor`` (0 when loading in the main process)
+        - ``dltune/pin_memory``: 1 where it pins its batches, else 0
         - ``dltune/gpu_util_pct``, ``dltune/gpu_mem_pct``: NVML utilization and memory use (CUDA only, %)
         - ``dltune/gpu_stall_frac``: the GPU's idle gap waiting for the loader / the GPU's time (CUDA only,
           fraction; from CUDA events read without synchronizing, and what decisions use there)

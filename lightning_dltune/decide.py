@@ -199,7 +199,6 @@ class Decision:
     action: Action
     settings: LoaderSettings
     reason: str
-    estimate: Estimate | None = field(default=None, compare=False)
     failed: str | None = None
     probe_memory: bool = field(default=False, compare=False)  # the next window is there to read the workers' memory
 
@@ -715,16 +714,16 @@ def decide(
         if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch, in_place) is None:
             return pin
         if for_the_steps_left:  # the run stays on the running config; the one measured faster is the result
-            return Decision("hold", chosen.settings, f"{reason}; {staying}", est)
+            return Decision("hold", chosen.settings, f"{reason}; {staying}")
         if staying:
             reason += f"; staying on {best.settings.describe()}: {staying}"
-        return Decision("settle", best.settings, reason, est)
+        return Decision("settle", best.settings, reason)
 
-    def try_(cand: LoaderSettings, gain_s: float, reason: str, est: Estimate) -> Decision:
+    def try_(cand: LoaderSettings, gain_s: float, reason: str) -> Decision:
         if (cand.prefetch_factor or 0) > budget.max_prefetch:  # a count from 0 workers comes with PyTorch's default 2
             cand = cand.with_prefetch(budget.max_prefetch)
         wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch, in_place)
-        return Decision("hold", cand, wasted, est) if wasted else Decision("try", cand, reason, est)
+        return Decision("hold", cand, wasted) if wasted else Decision("try", cand, reason)
 
     stall = last.stats.effective_stall_frac
     if stall <= policy.stall_threshold:
@@ -760,7 +759,6 @@ def decide(
             f"a batch takes {last.stats.mean_wait_s * 1e3:.2f} ms to load in the training process and about "
             f"{hand * 1e3:.2f} ms to receive from a worker: workers could hide at most {hideable:.1%} of the time, "
             f"within the {policy.stall_threshold:.0%} threshold",
-            est,
         )
     cap, binding = worker_cap(est, budget, cur.prefetch_factor or 2)
     can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
@@ -789,7 +787,6 @@ def decide(
             0.5 * last.stats.mean_wait_s,  # a guess: deeper prefetch absorbs about half of a bursty wait
             f"waits are bursty (p90 {last.stats.wait_p90_s * 1e3:.1f} ms vs median "
             f"{last.stats.wait_p50_s * 1e3:.1f} ms): deeper prefetch",
-            est,
         )
     target = sized
     past = _past_the_cpu_cap(trials, est, budget, binding) if target <= w else None
@@ -802,7 +799,6 @@ def decide(
             f"the CPU budget caps the model at {w} workers, but they used {used:.1f} of the {est.worker_cpus:.0f} "
             f"CPUs while training waited {stall:.0%} of the time: the CPUs are shared with the training process, "
             f"and {cand.num_workers} workers measure what they get",
-            est,
         )
     # No more workers to add, yet training waits: where the workers already load the mean batch faster than the
     # step takes it (by the model's count, or at max_workers by the mean alone, the tail having sized the count
@@ -823,7 +819,6 @@ def decide(
             f"{w} workers load a batch every {est.batch_s / w * 1e3:.1f} ms on average and the step takes "
             f"{est.busy_s * 1e3:.1f} ms ({why}), yet training waited {stall:.0%} of the time: slow batches hold up "
             "the hand-over; deeper prefetch",
-            est,
         )
     if target <= w:
         why = binding
@@ -851,7 +846,6 @@ def decide(
         last.stats.mean_wall_s - predicted_wall,
         f"a batch takes {est.batch_s * 1e3:.1f} ms to load{_slowest(est)} and the step {est.busy_s * 1e3:.1f} "
         f"ms: {est.needed_workers} workers hide it{limit}",
-        est,
     )
     return replace(decision, probe_memory=first is not None)
 
@@ -911,7 +905,6 @@ def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | 
         cur.with_workers(cap),
         f"{workers} workers are predicted to outgrow the {budget.memory_bytes / MiB:.0f} MiB memory budget: "
         f"{per / MiB:.0f} MiB each by the end of an epoch{grows}; {cap} fit",
-        est,
     )
 
 
@@ -951,11 +944,12 @@ def restart_cost_s(trials: Sequence[Trial], workers: int, policy: Policy = Polic
 
 
 def handover_lead(trials: Sequence[Trial]) -> int:
-    """Batches the running loader serves while a new loader starts in the background (#13): as many as
-    fit, at the running config's time per step, in the time one of the new workers takes to load its first
-    batch. Starting the workers (forking them) happens in the training process before the overlap, so it is
-    not part of it. Rounded down: a lead too short only waits for the rest at the hand-over, as a switch in the
-    open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. The
+    """Batches the running loader serves while a new loader starts in the background (#13): the running config's
+    worker count ``w``, at most 64, no timing read. With ``w`` workers each loading one batch while the loop takes
+    ``w`` steps, a batch loads in at most ``w`` steps at the running pace, and one of the new workers' first batch
+    costs about what one of theirs does. Starting the workers (forking them) happens in the training process before
+    the overlap, so it is not part of it. A lead too short only waits for the rest at the hand-over, as a switch in
+    the open waits for all of it, while a lead too long keeps the slower config after the faster one was ready. The
     same for any new worker count: its workers load their first batches in parallel. From 0 workers the switch
     takes over at once: the training process cannot load while it starts the new workers, and each of them loads
     as soon as it has started (``_lightning.iterate_growing``), so the first batch is ready about as the last worker

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dltune import _imports
-from lightning_dltune.report import GPU_SERIES_KEY, SERIES_KEYS
+from lightning_dltune.report import GPU_SERIES_KEY, PIN_SERIES_KEY, SERIES_KEYS
 from lightning_dltune.settings import LoaderSettings
 
 _CAPTION_WIDTH = 115
@@ -30,12 +30,14 @@ def plot_path(report_file: str | os.PathLike[str]) -> Path:
     return Path(report_file).with_suffix(".png")
 
 
-def config_changes(steps: Sequence[int], workers: Sequence[int], prefetch: Sequence[int]) -> list[int]:
-    """The steps where the loader's config changed: the start of the first window logged with a new config (the
-    previous window's step: each point covers the steps since the one before)."""
-    return [
-        steps[i - 1] for i in range(1, len(steps)) if (workers[i], prefetch[i]) != (workers[i - 1], prefetch[i - 1])
-    ]
+def config_changes(
+    steps: Sequence[int], workers: Sequence[int], prefetch: Sequence[int], pinned: Sequence[int] = ()
+) -> list[int]:
+    """The steps where the loader's config (workers, prefetch, pinned memory) changed: the start of the first window
+    logged with a new config (the previous window's step: each point covers the steps since the one before)."""
+    pins = list(pinned) or [0] * len(steps)
+    configs = list(zip(workers, prefetch, pins, strict=False))
+    return [steps[i - 1] for i in range(1, len(steps)) if configs[i] != configs[i - 1]]
 
 
 def _series(report: Mapping[str, Any]) -> dict[str, list[Any]]:
@@ -47,7 +49,7 @@ def _series(report: Mapping[str, Any]) -> dict[str, list[Any]]:
             f"the report has no per-window series to draw: {why}. Train with this version of lightning-dltune "
             "for at least `log_every_n_steps` steps."
         )
-    columns = {key: list(series.get(key) or []) for key in (*SERIES_KEYS, GPU_SERIES_KEY)}
+    columns = {key: list(series.get(key) or []) for key in (*SERIES_KEYS, GPU_SERIES_KEY, PIN_SERIES_KEY)}
     n = len(columns["step"])
     if any(len(columns[key]) != n for key in SERIES_KEYS):
         raise PlotError("the report's series has columns of different lengths: it was edited or truncated.")
@@ -96,11 +98,13 @@ def draw_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     rate.set_ylabel("samples/s")
     config.plot(steps, s["num_workers"], color="tab:purple", label="num_workers", **line)
     config.plot(steps, s["prefetch_factor"], color="tab:orange", label="prefetch_factor", **line)
+    if any(s[PIN_SERIES_KEY]):
+        config.plot(steps, s[PIN_SERIES_KEY], color="tab:cyan", label="pin_memory (1: on)", **line)
     config.set_ylim(bottom=0)
     config.set_ylabel("loader config")
     config.set_xlabel("global step")
     _draw_validation(report, stall, config)
-    for i, step in enumerate(config_changes(steps, s["num_workers"], s["prefetch_factor"])):
+    for i, step in enumerate(config_changes(steps, s["num_workers"], s["prefetch_factor"], s[PIN_SERIES_KEY])):
         for ax in (stall, rate, config):
             ax.axvline(step, color="tab:red", linestyle="--", alpha=0.6, label="config changed" if i == 0 else None)
     for ax in (stall, rate, config):

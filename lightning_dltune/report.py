@@ -26,6 +26,7 @@ OTHER_MS = PREFIX + "other_ms"
 SAMPLES_PER_S = PREFIX + "samples_per_s"
 NUM_WORKERS = PREFIX + "num_workers"
 PREFETCH_FACTOR = PREFIX + "prefetch_factor"
+PIN_MEMORY = PREFIX + "pin_memory"
 GPU_UTIL_PCT = PREFIX + "gpu_util_pct"
 GPU_MEM_PCT = PREFIX + "gpu_mem_pct"
 GPU_STALL_FRAC = PREFIX + "gpu_stall_frac"
@@ -50,6 +51,7 @@ def window_metrics(
         SAMPLES_PER_S: stats.samples_per_s,
         NUM_WORKERS: float(settings.num_workers),
         PREFETCH_FACTOR: float(settings.prefetch_factor or 0),
+        PIN_MEMORY: float(settings.pin_memory),
     }
     if spread is not None:
         metrics[STALL_SPREAD] = spread
@@ -65,6 +67,7 @@ def window_metrics(
 
 SERIES_KEYS = ("step", "stall_frac", "samples_per_s", "num_workers", "prefetch_factor")
 GPU_SERIES_KEY = "gpu_stall_frac"  # only in a report whose run measured it (CUDA)
+PIN_SERIES_KEY = "pin_memory"  # only where some window ran pinned (1) (reports before it have none)
 
 
 class WindowSeries:
@@ -80,7 +83,7 @@ class WindowSeries:
         self.reset()
 
     def reset(self) -> None:
-        self.points: list[tuple[int, float, float, int, int, float | None]] = []
+        self.points: list[tuple[int, float, float, int, int, float | None, int]] = []
         self._every, self._seen = 1, 0
 
     def record(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -97,6 +100,7 @@ class WindowSeries:
                 int(metrics[NUM_WORKERS]),
                 int(metrics[PREFETCH_FACTOR]),
                 None if gpu is None else round(gpu, 5),
+                int(metrics.get(PIN_MEMORY, 0.0)),
             )
         )
         if len(self.points) > self.max_points:
@@ -105,10 +109,12 @@ class WindowSeries:
     def to_dict(self) -> dict[str, list[Any]]:
         """Column lists under :data:`SERIES_KEYS` (``prefetch_factor`` 0: loading in the main process), and
         ``gpu_stall_frac`` (``None`` where a window had no reading) when the GPU's stall was measured."""
-        columns = [list(c) for c in zip(*self.points, strict=True)] or [[] for _ in range(6)]
+        columns = [list(c) for c in zip(*self.points, strict=True)] or [[] for _ in range(7)]
         series = dict(zip(SERIES_KEYS, columns[:5], strict=True))
         if any(v is not None for v in columns[5]):
             series[GPU_SERIES_KEY] = columns[5]
+        if any(columns[6]):
+            series[PIN_SERIES_KEY] = columns[6]
         return series
 
 

@@ -41,8 +41,6 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from lightning_dltune._warn import info_once
 from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
 
-SEAMLESS = ("auto", True, False)
-
 
 class Seamless:
     """Carries the train iterator from one epoch into the next.

@@ -232,3 +232,25 @@ def test_the_gpu_stall_is_kept_only_where_it_was_measured():
     assert "gpu_stall_frac" not in series.to_dict()
     series.record(2, {**base, "dltune/gpu_stall_frac": 0.25})
     assert series.to_dict()["gpu_stall_frac"] == [None, 0.25]
+
+
+def test_pinned_memory_is_logged_kept_in_the_series_and_marked_as_a_config_change():
+    from lightning_dltune.measure import WindowStats
+    from lightning_dltune.report import PIN_MEMORY, WindowSeries, window_metrics
+    from lightning_dltune.settings import LoaderSettings
+
+    series = WindowSeries()
+    for step, pinned in ((10, False), (20, False), (30, True), (40, True)):
+        settings = LoaderSettings.normalized(4, 2, pin_memory=pinned)
+        metrics = window_metrics(WindowStats(steps=1, wall_s=1.0, samples=8), None, settings)
+        assert metrics[PIN_MEMORY] == float(pinned)
+        series.record(step, metrics)
+    columns = series.to_dict()
+    assert columns["pin_memory"] == [0, 0, 1, 1]
+    assert config_changes(columns["step"], columns["num_workers"], columns["prefetch_factor"]) == []
+    assert config_changes(
+        columns["step"], columns["num_workers"], columns["prefetch_factor"], columns["pin_memory"]
+    ) == [20]
+    unpinned = WindowSeries()
+    unpinned.record(10, window_metrics(WindowStats(steps=1, wall_s=1.0), None, LoaderSettings()))
+    assert "pin_memory" not in unpinned.to_dict()  # as in a report written before pinned memory was logged
