@@ -425,7 +425,7 @@ class TuningState:
         self.start = None if start is None else LoaderSettings.from_dict(start)
         if self.observe_only:
             return
-        settled = phase == Phase.SETTLED.value
+        settled = phase == Phase.SETTLED.value and self.best_settings is not None  # settled on nothing: tune again
         self.phase = Phase.SETTLED if settled else Phase.TUNING
         if settled and self.best_settings is not None:
             target = self.best_settings

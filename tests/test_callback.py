@@ -148,6 +148,8 @@ def test_iterable_dataset_is_measured_not_retuned(tmp_path):
         def train_dataloader(self):
             return DataLoader(Stream(), batch_size=8)
 
+    # min_steps=2: a trial per 8-batch epoch (the default 8 steady steps would pool both epochs into one window);
+    # the default's pooling is tested in tests/test_state.py
     tuner = DataLoaderTuner(min_steps=2)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=2, logger=False)
     with pytest.warns(DLTuneWarning, match="IterableDataset.*get_worker_info"):

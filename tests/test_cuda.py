@@ -169,6 +169,8 @@ class ConvModel(pl.LightningModule):
 
 def test_copies_that_hold_the_gpu_up_get_a_pinned_memory_trial(tmp_path):
     loader = DataLoader(Slabs(16), batch_size=None)  # 48 MiB per batch, pageable
+    # min_steps=6: windows short enough that the worker trials and the pinned-memory trial after them fit in 6 epochs
+    # of 16 batches of 48 MiB (each epoch costs seconds of copies); the default's windows are tested on the CPU
     tuner = DataLoaderTuner(min_steps=6)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=6, accelerator="gpu", devices=1, logger=False)
     trainer.fit(ConvModel(), train_dataloaders=loader)

@@ -148,6 +148,8 @@ def run(tmp_path, tuner, path, epochs=3, workers=0, extra=()):
 @pytest.mark.parametrize("path", ["mixin", "plain"])
 def test_mid_epoch_switches_train_on_exactly_the_untuned_order(tmp_path, path):
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), path)
+    # mode="in_epoch", windows of 10: several switches inside each 60-batch epoch, each one a chance to lose or repeat
+    # a sample; the default "auto" switches inside such an epoch only once its stall is plain (the test below)
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
     tuned = run(tmp_path / "b", tuner, path)
 
@@ -176,6 +178,9 @@ class KillAWorker(pl.Callback):
 
 def test_a_killed_worker_is_replaced_and_the_epoch_continues_exactly(tmp_path):
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=4)
+    # mode="in_epoch": the loader gets the resumable batch sampler that lets the epoch go on after the death ("auto"
+    # gives it to long or plainly stalled epochs only); max_trials=1: the run stays on the user's 4 workers, which
+    # the kill hits
     tuner = DataLoaderTuner(mode="in_epoch", max_trials=1)
     killer = KillAWorker(at_batch=12)
     with pytest.warns(
@@ -260,7 +265,7 @@ def test_a_worker_dying_after_settling_moves_the_result_the_cache_and_the_checkp
     cache = tmp_path / "cache.json"
     reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=1, workers=4)
     # one trial: the first window (20 steps) settles on the starting 4 workers; the kill comes after it
-    tuner = DataLoaderTuner(mode="in_epoch", max_trials=1, cache=cache)
+    tuner = DataLoaderTuner(mode="in_epoch", max_trials=1, cache=cache)  # as in the test above
     killer = KillAWorker(at_batch=40)
     with pytest.warns(DLTuneWarning, match=r"a DataLoader worker died .*continued epoch 0 at batch \d+"):
         tuned = run(tmp_path / "b", tuner, "mixin", epochs=1, workers=4, extra=[killer])
@@ -313,6 +318,7 @@ def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tm
                 worker_init_fn=CountWorkersAtStart(counts),
             )
 
+    # mode="in_epoch", windows of 10: the switches happen inside the one epoch, where both worker sets could be alive
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
     children = ChildrenPerBatch(tuner)
     make_trainer(tmp_path, [tuner, children], max_epochs=1, logger=False).fit(M(step_ms=1))

@@ -32,16 +32,32 @@ def test_rebuild_helpers_keep_their_signatures():
 
 
 def test_fetcher_calls_the_profiler_hooks_around_next():
+    """The fetch hooks (``install_fetch_hooks``) time what Lightning's fetcher does between these two calls."""
     from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-    src = inspect.getsource(_DataFetcher.__next__)
-    assert "self._start_profiler()" in src and "self._stop_profiler()" in src
+    calls = []
+    fetcher = _DataFetcher()
+    fetcher.setup(CombinedLoader([[1, 2, 3]], "max_size_cycle"))
+    iter(fetcher)
+    fetcher._start_profiler = lambda: calls.append("start")
+    fetcher._stop_profiler = lambda: calls.append("stop")
+    batches = list(fetcher)
+    assert len(batches) == 3 and calls[:6] == ["start", "stop"] * 3
 
 
 def test_combined_loader_reset_shuts_workers_down():
+    """``shutdown_workers`` relies on Lightning's reset to stop a loader's persistent workers."""
     from lightning.pytorch.utilities import combined_loader
 
-    assert "_shutdown_workers" in inspect.getsource(combined_loader._shutdown_workers_and_reset_iterator)
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True)
+    next(iter(loader))
+    workers = list(loader._iterator._workers)
+    combined_loader._shutdown_workers_and_reset_iterator(loader)
+    assert loader._iterator is None
+    for w in workers:
+        w.join(timeout=10)
+    assert not any(w.is_alive() for w in workers)
 
 
 def test_the_fit_loop_restores_saved_loader_states_as_the_switcher_expects():

@@ -87,3 +87,25 @@ def test_missing_driver_is_one_clear_message():
 )
 def test_cuda_device_maps_to_the_nvml_device(index, uuid, visible, expected):
     assert nvml_device_id(index, uuid, visible) == expected
+
+
+@pytest.mark.parametrize("log_gpu", [True, False])
+def test_log_gpu_false_leaves_nvml_alone(monkeypatch, log_gpu):
+    """``DataLoaderTuner(log_gpu=False)`` (passed on to ``Probe.start``) opens no NVML sampler on CUDA; the default
+    does. NVML and the CUDA device are stand-ins: this machine has neither."""
+    from types import SimpleNamespace
+
+    from lightning_dltune import gpu, nvml
+    from lightning_dltune.probe import Probe
+
+    opened = []
+    sampler = SimpleNamespace(error=None, stop=lambda: None)
+    monkeypatch.setattr(gpu, "timeline_for", lambda device: None)
+    monkeypatch.setattr(nvml, "open_sampler", lambda index: opened.append(index) or (sampler, ""))
+    probe = Probe()
+    try:
+        probe.start(SimpleNamespace(type="cuda", index=0), log_gpu=log_gpu)
+        assert probe.nvml is (sampler if log_gpu else None)
+    finally:
+        probe.stop()
+    assert opened == ([0] if log_gpu else [])

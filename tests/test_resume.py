@@ -4,6 +4,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import make_trainer
@@ -82,11 +83,21 @@ def test_the_mixin_restores_settings_from_the_datamodule_state_alone():
     }
 
 
-@pytest.mark.parametrize("state", [{}, {"phase": "settled"}, {"version": 0, "trials": []}])
-def test_older_or_partial_checkpoints_load(state):
+@pytest.mark.parametrize(
+    ("state", "phase"),
+    [
+        ({}, "tuning"),
+        ({"phase": "settled"}, "tuning"),  # settled on nothing: there is no config to stay on, so it tunes
+        ({"phase": "settled", "best_settings": {"num_workers": 3}}, "settled"),
+        ({"version": 0, "trials": []}, "tuning"),
+    ],
+    ids=["empty", "settled_without_settings", "settled", "version_0"],
+)
+def test_older_or_partial_checkpoints_load(state, phase):
     tuner = DataLoaderTuner()
     tuner.load_state_dict(state)
-    assert tuner.trials == [] and tuner.phase in ("tuning", "settled")
+    assert tuner.trials == [] and tuner.phase == phase
+    assert tuner.state.target == (LoaderSettings(3, 2, False, True) if phase == "settled" else None)
 
 
 class Indices(pl.Callback):
@@ -107,6 +118,8 @@ def indices_of(path, tuner, **kwargs):
 
 
 def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
+    # mode="in_epoch", windows of 10: the checkpoint at step 25 falls in an epoch that switched inside, twice (with
+    # the defaults: the test below)
     reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))  # as `fit` does
     head = indices_of(
         tmp_path / "b",
@@ -123,11 +136,20 @@ def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
     assert head + tail == reference  # no sample lost or repeated across the restart
 
 
+def test_resumed_mid_epoch_with_the_defaults_the_epoch_continues_in_the_same_order(tmp_path):
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
+    head = indices_of(tmp_path / "b", DataLoaderTuner(cache=False), every_n_steps=25, max_steps=25)
+    ckpt = tmp_path / "b" / "ckpt" / "epoch=0-step=25.ckpt"
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        tail = indices_of(tmp_path / "c", DataLoaderTuner(cache=False), ckpt_path=ckpt)
+    assert head + tail == reference
+
+
 def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
     """Lightning skips `on_train_epoch_start` when it resumes mid-epoch: the guard, the position and the
     start-up accounting must come back without it, so a second checkpoint in the same epoch is exact too."""
 
-    def tuner():
+    def tuner():  # switches inside the epoch, as in the test above
         return DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
 
     reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True))

@@ -81,6 +81,7 @@ def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_p
             ds = SyntheticDataset(320, latency_ms=8.0)
             return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
 
+    # mode="in_epoch", windows of 8: the failing config starts inside an epoch, where its failure is caught (see above)
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=8, min_steps=6)
     seen = Indices()
     failed_to_start = r"workers failed to start \(ValueError: cannot open the database in a worker\)"
