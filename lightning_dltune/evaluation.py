@@ -405,7 +405,7 @@ class EvalTuner:
         self._counting = False
         self.passes += 0 if trainer.sanity_checking else 1
         self._log(trainer)
-        ended = False
+        ended, before = False, self.state.target
         if self.state.done:
             self.probe.skip()
         elif self._window_steps(agreement.distributed) >= self.policy.min_steps or left == 0:
@@ -416,12 +416,40 @@ class EvalTuner:
             self.state.apply(decision, stats, budget, self._step(trainer), agreement.failures)
             ended = self._decided(decision, trainer)
             self._aim(trainer)
-        target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
-        serving = LoaderSettings.from_loader(loaders[0]) if len(loaders) == 1 else None
-        if trainer.state.fn == "fit" and left != 0 and target is not None and serving not in (None, target):
+        if not agreement.distributed:
+            self._keep_persistent_within(budget)
+        if trainer.state.fn == "fit" and left != 0 and self._reload_for_target(before, agreement.distributed):
             self._reload_epoch, self._switch = _lightning.loop_reload_epoch(self.loop), True
             _lightning.request_loop_reload(self.loop)  # the next pass runs on the target
         return ended
+
+    def _reload_for_target(self, before: LoaderSettings | None, distributed: bool) -> bool:
+        """Whether the next pass needs a new loader for the target: on one process, where the loader serving is not
+        on it; under DDP, where the agreed target changed (Lightning's request waits for every rank, and a rank that
+        recovered from a dead worker serves another config than the others)."""
+        target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
+        if target is None or len(loaders) != 1:
+            return False
+        return target != before if distributed else LoaderSettings.from_loader(loaders[0]) != target
+
+    def _keep_persistent_within(self, budget: Budget) -> None:
+        """Persistent workers stay alive while the other loops run: where what they hold does not fit the memory the
+        other loaders' workers leave (``budget``), the loop's next passes start their workers afresh instead."""
+        target, held = self.state.target, self.held_bytes()
+        if (
+            target is None
+            or not target.persistent_workers
+            or budget.memory_bytes is None
+            or held <= budget.memory_bytes
+        ):
+            return
+        self.state.target = replace(target, persistent_workers=False)
+        info_once(
+            f"eval-{self.name}-not-persistent",
+            f"DataLoaderTuner: the {self.name} loader's persistent workers hold {held / 2**20:.0f} MiB, more than the "
+            f"{budget.memory_bytes / 2**20:.0f} MiB the memory budget leaves beside the other loaders' workers: its "
+            "workers start afresh at every pass instead.",
+        )
 
     def _window_steps(self, distributed: bool) -> int:
         """Under DDP every rank must close a window at the same pass: count what all ranks count alike (a rank that

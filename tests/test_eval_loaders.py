@@ -377,3 +377,20 @@ def test_a_validation_worker_killed_mid_pass_loses_and_repeats_nothing(tmp_path,
     assert "a DataLoader worker died" in failed.failed and failed.settings.num_workers > 0
     assert val.phase == "settled" and val.current != failed.settings
     assert any("no sample lost or repeated" in str(w.message) for w in recwarn)
+
+
+def test_persistent_evaluation_workers_that_the_memory_left_cannot_hold_start_afresh_each_pass(monkeypatch):
+    """What the workers hold is a stand-in here (a real reading is in the memory tests): 100 MiB against the 50 MiB
+    the budget leaves beside the other loaders' workers."""
+    from lightning_dltune.decide import Policy
+    from lightning_dltune.evaluation import EvalTuner
+    from lightning_dltune.settings import LoaderSettings
+
+    tuner = EvalTuner("val", Policy())
+    tuner.state.target = LoaderSettings.normalized(8)
+    assert tuner.state.target.persistent_workers
+    monkeypatch.setattr(tuner, "held_bytes", lambda: 100 * 2**20)
+    tuner._keep_persistent_within(Budget(cpus=2, max_workers=16, memory_bytes=200 * 2**20))
+    assert tuner.state.target.persistent_workers  # fits
+    tuner._keep_persistent_within(Budget(cpus=2, max_workers=16, memory_bytes=50 * 2**20))
+    assert tuner.state.target == LoaderSettings.normalized(8, persistent_workers=False)
