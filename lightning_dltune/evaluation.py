@@ -176,11 +176,12 @@ class EvalTuner:
         ]
 
     def restore(self) -> None:
-        """Undo :meth:`install`; safe to call twice."""
+        """Undo :meth:`install`, letting go of the run's loaders; safe to call twice."""
         for restore in reversed(self._restores):
             restore()
         self._restores = []
         self.probe.stop()
+        self._user_loader = self._pass_loader = self._rng = None
 
     def shutdown(self) -> None:
         """Stop the workers of the loop's loaders and of its running iterator now (after a failed run)."""
