@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, run
+from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, observed, run
 from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
 from lightning_dltune import DataLoaderTuner, _lightning
@@ -197,12 +197,12 @@ class UsersLoader(PlainModel):
         )
 
 
-def fit(tmp_path, tuner, extra=(), generator=None, workers=1, wrap=lambda dataset: dataset):
+def fit(tmp_path, tuner, extra=(), generator=None, workers=1, wrap=lambda dataset: dataset, latency_ms=10.0, step_ms=1):
     pl.seed_everything(7, workers=True)
     record = EpochIndices()
     # 80 ms to load a batch against a 1 ms step: one worker is far too few, the tuner goes up at once
-    dataset = wrap(SyntheticDataset(length=480, latency_ms=10.0))
-    model = UsersLoader(dataset, step_ms=1, generator=generator, workers=workers)
+    dataset = wrap(SyntheticDataset(length=480, latency_ms=latency_ms))
+    model = UsersLoader(dataset, step_ms=step_ms, generator=generator, workers=workers)
     make_trainer(tmp_path, [tuner, record, *extra], max_epochs=2, logger=False).fit(model)
     return record.epochs
 
@@ -210,7 +210,8 @@ def fit(tmp_path, tuner, extra=(), generator=None, workers=1, wrap=lambda datase
 def test_a_tuned_fit_jumps_from_0_workers_at_once_on_the_exact_order(tmp_path):
     """Default arguments: the jump from the user's 0 workers takes over at once (its workers start one by one, each
     loading as it has started: see test_lightning_private), and the epochs are exactly those of an observe-only run."""
-    reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True), workers=0)
+    # the reference never switches: its samples load and its steps run at once (see test_in_epoch's `observed`)
+    reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True), workers=0, latency_ms=0.0, step_ms=0)
     tuner, workers = DataLoaderTuner(), WorkersPerBatch()
     tuned = fit(tmp_path / "b", tuner, [workers], workers=0)
     assert tuned == reference
@@ -222,7 +223,8 @@ def test_a_tuned_fit_jumps_from_0_workers_at_once_on_the_exact_order(tmp_path):
 def test_a_tuned_fit_adds_workers_beside_the_users_one_on_the_exact_order(tmp_path):
     """Default arguments: the user's loader with one worker is rebuilt around the tuner's batch sampler (a new object:
     the user's own is left as it was), so a switch to more workers starts only the added ones beside it."""
-    reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True))
+    # the reference never switches: its samples load and its steps run at once (see test_in_epoch's `observed`)
+    reference = fit(tmp_path / "a", DataLoaderTuner(observe_only=True), latency_ms=0.0, step_ms=0)
     tuner, workers = DataLoaderTuner(), WorkersPerBatch()
     tuned = fit(tmp_path / "b", tuner, [workers])
     assert tuned == reference
@@ -282,7 +284,7 @@ class ChangeAt(pl.Callback):
 
 
 def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_order(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
+    reference = observed(tmp_path / "a", "mixin", epochs=2, workers=2)
     # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
     tuner = DataLoaderTuner(max_trials=1)
     deepen = ChangeAt(tuner, at=20)  # a deeper prefetch
@@ -294,7 +296,7 @@ def test_a_prefetch_change_is_made_on_the_running_workers_and_keeps_the_exact_or
 
 
 def test_workers_are_added_beside_the_running_ones_and_keep_the_exact_order(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
+    reference = observed(tmp_path / "a", "mixin", epochs=2, workers=2)
     # max_trials=1: tuning settles on the user's config after the first window, so only this change is made
     tuner = DataLoaderTuner(max_trials=1)
     add = ChangeAt(tuner, at=20, change=lambda current: current.with_workers(4))  # two more workers
@@ -316,7 +318,7 @@ class FailsOnAddedWorkers(SyntheticDataset):
 
 
 def test_added_workers_that_fail_in_their_first_batches_fall_back_on_the_exact_order(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
+    reference = observed(tmp_path / "a", "mixin", epochs=2, workers=2)
     pl.seed_everything(7, workers=True)
     tuner, record = DataLoaderTuner(max_trials=1), EpochIndices()  # max_trials=1: only this change is made
     add = ChangeAt(tuner, at=20, change=lambda current: current.with_workers(4))  # two more workers
@@ -329,35 +331,47 @@ def test_added_workers_that_fail_in_their_first_batches_fall_back_on_the_exact_o
     assert any(t.failed and t.settings.num_workers == 4 for t in tuner.trials)
 
 
-def switch_to_0(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=2)
-    tuner = DataLoaderTuner(max_trials=1)  # max_trials=1: only this change is made
-    zero = ChangeAt(tuner, at=20, change=lambda current: LoaderSettings())  # as settling on a start at 0 would
-    tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[zero])
-    return tuner, tuned, reference
+@pytest.fixture(scope="module")
+def switch_to_0(tmp_path_factory):
+    """One fit switched from the user's 2 workers to 0 in its first epoch, and its reference: the two tests below
+    read the same run. It runs inside the first test that asks for it (not at the module's set-up), so that test's
+    own cache file and its check for leftover workers and threads (conftest.py) cover it."""
+    runs = []
+
+    def switched():
+        if not runs:
+            tmp_path = tmp_path_factory.mktemp("switch_to_0")
+            reference = observed(tmp_path / "a", "mixin", epochs=2, workers=2)
+            tuner = DataLoaderTuner(max_trials=1)  # max_trials=1: only this change is made
+            zero = ChangeAt(tuner, at=20, change=lambda current: LoaderSettings())  # as settling on a start at 0 would
+            tuned = run(tmp_path / "b", tuner, "mixin", epochs=2, workers=2, extra=[zero])
+            runs.append((tuner, tuned, reference))
+        return runs[0]
+
+    return switched
 
 
-def test_a_switch_to_0_workers_from_a_loader_changed_in_place_builds_a_new_loader(tmp_path):
-    tuner, tuned, reference = switch_to_0(tmp_path)  # from a loader changed in place (it failed an assertion)
+def test_a_switch_to_0_workers_from_a_loader_changed_in_place_builds_a_new_loader(switch_to_0):
+    tuner, tuned, reference = switch_to_0()  # from a loader changed in place (it failed an assertion)
     assert tuned[0] == reference[0]  # the epoch of the switch: the exact order
     assert all(sorted(epoch) == list(range(480)) for epoch in tuned)  # every epoch: each sample once
     assert tuner.state.current.num_workers == 0 and tuner.switcher.in_place == tuner.switcher.grown == 0
 
 
-def test_after_a_switch_from_the_users_workers_to_0_the_next_epoch_keeps_the_untuned_order(tmp_path):
+def test_after_a_switch_from_the_users_workers_to_0_the_next_epoch_keeps_the_untuned_order(switch_to_0):
     # the user's persistent workers draw no base seed after the first epoch, where a new 0-worker iterator would
-    _, tuned, reference = switch_to_0(tmp_path)
+    _, tuned, reference = switch_to_0()
     assert tuned[1] == reference[1]
 
 
-def fit_to(root, tuner, epochs, extra=(), ckpt_path=None):
+def fit_to(root, tuner, epochs, extra=(), ckpt_path=None, latency_ms=2.0, step_ms=1):
     """Each epoch's indices of a fit of the users' 2 persistent workers that checkpoints at each epoch's end."""
     pl.seed_everything(7, workers=True)
     record, ckpt = EpochIndices(), ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=-1)
-    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=2.0), batch_size=8, num_workers=2)
+    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=latency_ms), batch_size=8, num_workers=2)
     callbacks = [tuner, record, ckpt, *extra]
     trainer = make_trainer(root, callbacks, max_epochs=epochs, logger=False, enable_checkpointing=True)
-    trainer.fit(SimulatedModel(step_ms=1), datamodule=dm, ckpt_path=ckpt_path)
+    trainer.fit(SimulatedModel(step_ms=step_ms), datamodule=dm, ckpt_path=ckpt_path)
     return record.epochs, trainer
 
 
@@ -366,10 +380,14 @@ def test_a_fit_resumed_on_0_workers_from_the_users_persistent_ones_trains_the_un
     # seed. Every tuner here has its cache off: a resumed fit must go on from its checkpoint, not from the cache the
     # fit before it filled (a resume with the default cache: tests/test_loader_libraries.py)
     observing = lambda: DataLoaderTuner(observe_only=True, cache=False)  # noqa: E731
-    fit_to(tmp_path / "a", observing(), epochs=2)
-    reference, _ = fit_to(tmp_path / "r", observing(), epochs=3, ckpt_path=tmp_path / "a/ckpt/last.ckpt")
-    fit_to(tmp_path / "p", pl.Callback(), epochs=2)  # and without the tuner at all (its loader is served: seamless)
-    assert fit_to(tmp_path / "q", pl.Callback(), epochs=3, ckpt_path=tmp_path / "p/ckpt/last.ckpt")[0] == reference
+    # the references never switch: their samples load and their steps run at once (see test_in_epoch's `observed`)
+    at_once = {"latency_ms": 0.0, "step_ms": 0}
+    fit_to(tmp_path / "a", observing(), epochs=2, **at_once)
+    reference, _ = fit_to(tmp_path / "r", observing(), epochs=3, ckpt_path=tmp_path / "a/ckpt/last.ckpt", **at_once)
+    # and without the tuner at all (its loader is served: seamless)
+    fit_to(tmp_path / "p", pl.Callback(), epochs=2, **at_once)
+    without, _ = fit_to(tmp_path / "q", pl.Callback(), epochs=3, ckpt_path=tmp_path / "p/ckpt/last.ckpt", **at_once)
+    assert without == reference
     tuner = DataLoaderTuner(max_trials=1, cache=False)  # max_trials=1: only this change is made
 
     def settle_on_0(current):
@@ -385,7 +403,7 @@ def test_a_fit_resumed_on_0_workers_from_the_users_persistent_ones_trains_the_un
 
 
 def test_a_switch_from_the_users_workers_to_0_between_epochs_keeps_every_later_epochs_untuned_order(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=3, workers=2)
+    reference = observed(tmp_path / "a", "mixin", epochs=3, workers=2)
     tuner = DataLoaderTuner(max_trials=1)  # max_trials=1: only this change is made
     # at the first epoch's last batch, for the next epoch (the loader is reloaded between them)
     zero = ChangeAt(tuner, at=59, change=lambda current: LoaderSettings(), now=False)

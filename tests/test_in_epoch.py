@@ -132,22 +132,30 @@ class PlainModel(SimulatedModel):
         return DataLoader(self.dataset, batch_size=8, shuffle=True)
 
 
-def run(tmp_path, tuner, path, epochs=3, workers=0, extra=()):
+def run(tmp_path, tuner, path, epochs=3, workers=0, extra=(), latency_ms=2.0, step_ms=1):
     pl.seed_everything(7, workers=True)
-    dataset = SyntheticDataset(length=480, latency_ms=2.0)
+    dataset = SyntheticDataset(length=480, latency_ms=latency_ms)
     record = EpochIndices()
     if path == "mixin":
-        model, dm = SimulatedModel(step_ms=1), SyntheticDataModule(dataset, batch_size=8, num_workers=workers)
+        model, dm = SimulatedModel(step_ms=step_ms), SyntheticDataModule(dataset, batch_size=8, num_workers=workers)
     else:
-        model, dm = PlainModel(dataset, step_ms=1), None
+        model, dm = PlainModel(dataset, step_ms=step_ms), None
     trainer = make_trainer(tmp_path, [tuner, record, *extra], max_epochs=epochs, logger=False)
     trainer.fit(model, datamodule=dm)
     return record.epochs
 
 
+def observed(tmp_path, path, **kwargs):
+    """The epochs of a run that never switches (an observe-only tuner): the reference a tuned run's orders are
+    compared with. Its samples load and its steps run at once: the orders come from the seed and the loader, not
+    from how long a sample takes (a ``SyntheticDataset`` sample is the same whenever it is loaded); only the tuned
+    run needs the stall, and it keeps the one its test sets."""
+    return run(tmp_path, DataLoaderTuner(observe_only=True), path, latency_ms=0.0, step_ms=0, **kwargs)
+
+
 @pytest.mark.parametrize("path", ["mixin", "plain"])
 def test_mid_epoch_switches_train_on_exactly_the_untuned_order(tmp_path, path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), path)
+    reference = observed(tmp_path / "a", path)
     # mode="in_epoch", windows of 10: several switches inside each 60-batch epoch, each one a chance to lose or repeat
     # a sample; the default "auto" switches inside such an epoch only once its stall is plain (the test below)
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=10, min_steps=5)
@@ -177,7 +185,7 @@ class KillAWorker(pl.Callback):
 
 
 def test_a_killed_worker_is_replaced_and_the_epoch_continues_exactly(tmp_path):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=2, workers=4)
+    reference = observed(tmp_path / "a", "mixin", epochs=2, workers=4)
     # mode="in_epoch": the loader gets the resumable batch sampler that lets the epoch go on after the death ("auto"
     # gives it to long or plainly stalled epochs only); max_trials=1: the run stays on the user's 4 workers, which
     # the kill hits
@@ -204,7 +212,7 @@ class WorkersPerBatch(pl.Callback):
 
 @pytest.mark.parametrize("mode", ["auto", "epoch"])
 def test_a_short_epoch_switches_once_the_stall_is_obvious_unless_told_to_wait(tmp_path, mode):
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "plain", epochs=2)
+    reference = observed(tmp_path / "a", "plain", epochs=2)
     tuner, workers = DataLoaderTuner(mode=mode), WorkersPerBatch()
     tuned = run(tmp_path / "b", tuner, "plain", epochs=2, extra=[workers])
 
@@ -236,15 +244,16 @@ def test_the_first_step_at_0_workers_decides_alone_where_its_samples_show_a_plai
     # the untuned order. A store opened on the first sample waits longer still, but the other samples are fast: not
     # judged on that step. The cache's fingerprint loads a few samples in the training process before the first
     # step, which opens the store there: the lazy case turns the cache off to show the first step opening it
-    def fit(path, tuner, record):
+    def fit(path, tuner, record, latency_ms=20.0, step_ms=2):
         pl.seed_everything(3)
-        data = OpensLazily(480) if lazy else SyntheticDataset(480, latency_ms=20.0)
+        data = OpensLazily(480) if lazy else SyntheticDataset(480, latency_ms=latency_ms)
         callbacks = record if isinstance(record, list) else [record]
         trainer = make_trainer(path, [tuner, *callbacks], max_epochs=1, logger=False)
-        trainer.fit(SimulatedModel(step_ms=2), datamodule=SyntheticDataModule(data, batch_size=16))
+        trainer.fit(SimulatedModel(step_ms=step_ms), datamodule=SyntheticDataModule(data, batch_size=16))
 
     reference = EpochIndices()
-    fit(tmp_path / "a", DataLoaderTuner(observe_only=True), reference)  # the order of a run that never switches
+    # the order of a run that never switches, its samples loaded and its steps run at once (see `observed`)
+    fit(tmp_path / "a", DataLoaderTuner(observe_only=True), reference, latency_ms=0.0, step_ms=0)
     tuner, workers, record = DataLoaderTuner(cache=not lazy), WorkersPerBatch(), EpochIndices()
     fit(tmp_path / "b", tuner, [record, workers])
     assert record.epochs == reference.epochs
@@ -263,7 +272,7 @@ def test_a_worker_dying_after_settling_moves_the_result_the_cache_and_the_checkp
     import json
 
     cache = tmp_path / "cache.json"
-    reference = run(tmp_path / "a", DataLoaderTuner(observe_only=True), "mixin", epochs=1, workers=4)
+    reference = observed(tmp_path / "a", "mixin", epochs=1, workers=4)
     # one trial: the first window (20 steps) settles on the starting 4 workers; the kill comes after it
     tuner = DataLoaderTuner(mode="in_epoch", max_trials=1, cache=cache)  # as in the test above
     killer = KillAWorker(at_batch=40)

@@ -76,9 +76,11 @@ def failing_init(worker_id):
 def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_path):
     # In-epoch switching: at an epoch-boundary reload Lightning calls iter() twice, and with persistent
     # workers PyTorch's second reset discards the workers' init errors (they then run uninitialized).
+    # 3 ms a sample: a batch takes 48 ms to load against a 2 ms step, a stall far above the threshold, so workers are
+    # tried; every epoch after that runs at 0 workers, and a shorter sleep keeps those epochs short
     class M(SimulatedModel):
         def train_dataloader(self):
-            ds = SyntheticDataset(320, latency_ms=8.0)
+            ds = SyntheticDataset(320, latency_ms=3.0)
             return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
 
     # mode="in_epoch", windows of 8: the failing config starts inside an epoch, where its failure is caught (see above)
@@ -217,14 +219,16 @@ def test_run_shapes_train_what_an_untuned_run_trains_and_report_it(tmp_path, kwa
         def val_dataloader(self):
             return DataLoader(SyntheticDataset(32), batch_size=16)
 
-    def fit(callbacks, where):
+    def fit(callbacks, where, latency_ms=4.0, step_ms=2):
         pl.seed_everything(0)
-        dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=4.0), batch_size=16)
-        model = M(step_ms=2)
+        dm = SyntheticDataModule(SyntheticDataset(160, latency_ms=latency_ms), batch_size=16)
+        model = M(step_ms=step_ms)
         make_trainer(tmp_path / where, callbacks, **{"max_epochs": 3, **kwargs}).fit(model, datamodule=dm)
         return model.seen_indices
 
-    untuned, tuner = fit([], "untuned"), DataLoaderTuner()
+    # the untuned run is the reference: its samples load and its steps run at once (the order comes from the seed,
+    # not from how long a sample takes); only the tuned run needs the stall
+    untuned, tuner = fit([], "untuned", latency_ms=0.0, step_ms=0), DataLoaderTuner()
     tuned = fit([tuner], "tuned")
     assert len(tuned) == steps * 16 and tuned == untuned  # the samples, their count and order, as without the tuner
     report = json.loads(tuner.report_file.read_text())  # written for every shape, fast_dev_run's included

@@ -83,9 +83,17 @@ def fit(
     return record
 
 
+def untuned(tmp_path, **kwargs):
+    """A run without the tuner: the reference a tuned run's orders are compared with. Its samples load and its
+    steps run at once: the orders a run trains (and its draws from the global state) come from its seeds, its
+    generator and its steps' draws, not from how long a sample takes (a ``SyntheticDataset`` sample is the same
+    whenever it is loaded); only a tuned run needs the stall, and it keeps the one its test sets."""
+    return fit(tmp_path, [], latency_ms=0.0, step_ms=0.0, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def untuned_5(tmp_path_factory):
-    return fit(tmp_path_factory.mktemp("untuned"), [], epochs=5)
+    return untuned(tmp_path_factory.mktemp("untuned"), epochs=5)
 
 
 def test_tuned_with_seamless_epochs_every_epoch_trains_what_an_untuned_run_trains(tmp_path, untuned_5):
@@ -105,10 +113,10 @@ def test_a_loader_built_anew_for_every_epoch_trains_what_an_untuned_run_trains(t
     # run without the tuner reloads too: Lightning iterates the user's loader twice in such an epoch (`setup_data`
     # and the epoch loop), so its orders are not those of a run that never reloads
     reload = {"reload_dataloaders_every_n_epochs": 1}
-    untuned = fit(tmp_path / "untuned", [], epochs=5, workers=workers, trainer_kw=reload)
+    reference = untuned(tmp_path / "untuned", epochs=5, workers=workers, trainer_kw=reload)
     tuner = DataLoaderTuner()
     tuned = fit(tmp_path / "tuned", [tuner], epochs=5, workers=workers, trainer_kw=reload)
-    assert tuned.epochs == untuned.epochs, described(tuner)
+    assert tuned.epochs == reference.epochs, described(tuner)
     assert tuner.best_settings["num_workers"] > workers, described(tuner)
 
 
@@ -159,21 +167,21 @@ def test_a_sampler_drawing_from_the_global_state_is_drawn_ahead_when_training_le
 ):
     # no generator: each epoch's seed comes from the global random state at its start. Training that draws nothing
     # from it between epochs leaves the state as it was when the order was drawn ahead: the epoch checks that
-    untuned = fit(tmp_path / "untuned", [], seed=None, model=Steady, workers=workers, epochs=5)
+    reference = untuned(tmp_path / "untuned", seed=None, model=Steady, workers=workers, epochs=5)
     tuner = DataLoaderTuner()
     tuned = fit(tmp_path / "tuned", [tuner], seed=None, model=Steady, workers=workers, epochs=5)
     assert tuner.switcher.seamless.carried >= 1, described(tuner)
-    assert tuned.epochs == untuned.epochs, described(tuner)
-    assert torch.equal(tuned.rng_after, untuned.rng_after)  # the global state goes on as without the tuner
+    assert tuned.epochs == reference.epochs, described(tuner)
+    assert torch.equal(tuned.rng_after, reference.rng_after)  # the global state goes on as without the tuner
 
 
 def test_a_sampler_that_draws_from_the_global_state_is_left_alone_unless_asked(tmp_path, lightning_log):
     # dropout on the CPU draws from the global state in every step: the order drawn ahead is found wrong at the
     # next epoch's start, which then draws its own as without the tuner, and no order is drawn ahead again
-    untuned = fit(tmp_path / "untuned", [], seed=None)
+    reference = untuned(tmp_path / "untuned", seed=None)
     auto = DataLoaderTuner()
     tuned = fit(tmp_path / "auto", [auto], seed=None)
-    assert auto.switcher.seamless.carried == 0 and tuned.epochs == untuned.epochs
+    assert auto.switcher.seamless.carried == 0 and tuned.epochs == reference.epochs
     assert "seamless epochs stopped for this loader: its RandomSampler draws each epoch's seed" in lightning_log.text
 
     # opted in: each epoch's order comes from the run's seed and the epoch, the same in two runs, every sample once
@@ -194,31 +202,29 @@ def test_epochs_cut_short_and_validation_between_epochs_keep_the_untuned_order(t
         def validation_step(self, batch, batch_idx):
             Validated.validated += 1
 
-    def run(path, callbacks):
+    def run(path, callbacks, latency_ms=5.0, step_ms=5.0):
         pl.seed_everything(0)
         g = torch.Generator().manual_seed(3)
-        dl = DataLoader(SyntheticDataset(320, latency_ms=5.0), batch_size=16, shuffle=True, generator=g)
+        dl = DataLoader(SyntheticDataset(320, latency_ms=latency_ms), batch_size=16, shuffle=True, generator=g)
         val = DataLoader(SyntheticDataset(64), batch_size=16)
         record = Epochs()
         trainer = make_trainer(path, [*callbacks, record], max_epochs=4, logger=False, limit_val_batches=None)
-        trainer.fit(Validated(), train_dataloaders=dl, val_dataloaders=val)
+        trainer.fit(Validated(step_ms), train_dataloaders=dl, val_dataloaders=val)
         return record
 
-    untuned = run(tmp_path / "untuned", [])
+    reference = run(tmp_path / "untuned", [], latency_ms=0.0, step_ms=0.0)  # a reference: see `untuned`
     tuner = DataLoaderTuner()
     Validated.validated = 0
     tuned = run(tmp_path / "tuned", [tuner])
-    assert tuned.epochs == untuned.epochs and tuner.switcher.seamless.carried >= 1, described(tuner)
+    assert tuned.epochs == reference.epochs and tuner.switcher.seamless.carried >= 1, described(tuner)
     assert Validated.validated == 4 * 4 + 2  # every epoch validated (and the sanity check ran its 2 batches)
 
     # 15 of 20 batches an epoch: each epoch stops before its end, and the next draws its own order as without
-    def short(path, callbacks):
-        return fit(path, callbacks, trainer_kw={"limit_train_batches": 15})
-
-    untuned = short(tmp_path / "untuned_short", [])
+    short = {"limit_train_batches": 15}
+    reference = untuned(tmp_path / "untuned_short", trainer_kw=short)
     tuner = DataLoaderTuner()
-    tuned = short(tmp_path / "tuned_short", [tuner])
-    assert tuned.epochs == untuned.epochs and tuner.switcher.seamless.carried == 0, described(tuner)
+    tuned = fit(tmp_path / "tuned_short", [tuner], trainer_kw=short)
+    assert tuned.epochs == reference.epochs and tuner.switcher.seamless.carried == 0, described(tuner)
 
 
 class Counted(torch.utils.data.Dataset):
@@ -289,9 +295,9 @@ def test_a_switch_inside_an_epoch_leaves_the_generator_as_a_run_without_it(at):
 class HookModel(Dropout):
     """Returns its train loader from its own hook: a new ``DataLoader`` at every call, or the same one."""
 
-    def __init__(self, new_each, **loader):
-        super().__init__(step_ms=5.0)
-        self.dataset, self.loader = SyntheticDataset(320, latency_ms=2.0), loader
+    def __init__(self, new_each, latency_ms=2.0, step_ms=5.0, **loader):
+        super().__init__(step_ms=step_ms)
+        self.dataset, self.loader = SyntheticDataset(320, latency_ms=latency_ms), loader
         self.new_each, self.dl = new_each, None
 
     def train_dataloader(self):
@@ -305,8 +311,8 @@ class HookModel(Dropout):
 class CallsModel(HookModel):
     """Records the epoch at each call of its ``train_dataloader`` hook."""
 
-    def __init__(self):
-        super().__init__(new_each=True)
+    def __init__(self, **timing):
+        super().__init__(new_each=True, **timing)
         self.calls = []
 
     def train_dataloader(self):
@@ -322,7 +328,8 @@ def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it
     monkeypatch.setattr(_lightning, "request_train_reload", lambda t: (asked.append(t.current_epoch + 1), request(t)))
     calls = []
     for callbacks in ([], [DataLoaderTuner(mode="epoch")]):  # epoch mode: its switches are reloads
-        model = CallsModel()
+        # without the tuner, only the hook's calls are read: its samples load and its steps run at once
+        model = CallsModel() if callbacks else CallsModel(latency_ms=0.0, step_ms=0.0)
         reload = {"reload_dataloaders_every_n_epochs": 2}
         trainer = make_trainer(tmp_path / str(len(calls)), callbacks, max_epochs=6, logger=False, **reload)
         trainer.fit(model)
@@ -334,23 +341,28 @@ def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it
     assert calls[1] == sorted({*calls[0], *asked}), (calls, asked)
 
 
-def reloaded_every_epoch(tmp_path, callbacks, workers, new_each):
+def reloaded_every_epoch(tmp_path, callbacks, workers, new_each, **timing):
     """Each epoch's indices of a fit whose LightningModule hook Lightning asks for the loader at every epoch."""
     loader = dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
     pl.seed_everything(0)
     record = Epochs()
     reload = {"reload_dataloaders_every_n_epochs": 1}
     trainer = make_trainer(tmp_path, [*callbacks, record], max_epochs=4, logger=False, **reload)
-    trainer.fit(HookModel(new_each, **loader))
+    trainer.fit(HookModel(new_each, **timing, **loader))
     return record.epochs
 
 
 @pytest.fixture(scope="module")
 def without_tuner(tmp_path_factory):
     runs = {}
-    return lambda workers, new_each: runs.setdefault(
-        (workers, new_each), reloaded_every_epoch(tmp_path_factory.mktemp("untuned"), [], workers, new_each)
-    )
+
+    def run(workers, new_each):  # a reference: its samples load and its steps run at once (see `untuned`)
+        if (workers, new_each) not in runs:
+            path = tmp_path_factory.mktemp("untuned")
+            runs[workers, new_each] = reloaded_every_epoch(path, [], workers, new_each, latency_ms=0.0, step_ms=0.0)
+        return runs[workers, new_each]
+
+    return run
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # persistent with 2
