@@ -6,7 +6,7 @@ Workloads, each latency-bound (``--latency-ms`` a sample) and started from the L
   (640 training and 320 validation samples, batch 32, 5 epochs) that passes the same ``**loader_kwargs`` to both
   of its loaders;
 * ``val_quarter``: the same with ``val_check_interval=0.25`` (validation four times an epoch);
-* ``predict``: a ``trainer.predict`` of its own over 320 batches of 32.
+* ``predict``: a ``trainer.predict`` of its own over 320 batches of 16.
 
 Arms, their order rotated every round: the default (0 workers), ``DataLoaderTuner()`` from there, the rule of thumb
 (half the CPUs, never above 8) and static configs set by hand on every loader (persistent workers, prefetch 2), the
@@ -53,9 +53,8 @@ class TwoLoaders(pl.LightningDataModule):
         return DataLoader(self.val_set, batch_size=32, **self.loader_kwargs)
 
     def predict_dataloader(self) -> DataLoader:
-        return DataLoader(
-            SyntheticDataset(320 * 32, latency_ms=self.val_set.latency_ms), batch_size=32, **self.loader_kwargs
-        )
+        dataset = SyntheticDataset(320 * 16, latency_ms=self.val_set.latency_ms)
+        return DataLoader(dataset, batch_size=16, **self.loader_kwargs)
 
 
 class Model(SimulatedModel):
@@ -144,7 +143,7 @@ def table(
         "val": f"a whole `fit`, validation every epoch ({args.epochs} epochs, 640 + 320 samples, batch 32)",
         "val_quarter": f"a whole `fit`, validation 4 times an epoch ({args.epochs} epochs, 640 + 320 samples, "
         "batch 32)",
-        "predict": "a `trainer.predict` of its own, 320 batches of 32",
+        "predict": "a `trainer.predict` of its own, 320 batches of 16",
     }[workload]
     columns = "workers (train / val), each round" if workload != "predict" else "workers, each round"
     lines = [
