@@ -164,6 +164,10 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         trainer.fit(model, datamodule=dm)
     """
 
+    budget: Budget | None
+    report: dict[str, Any] | None
+    report_file: Path | None
+
     def __init__(
         self,
         stall_threshold: float = 0.05,
@@ -200,9 +204,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.agreement = Agreement()
         self._limits = {"max_workers": max_workers, "max_prefetch": max_prefetch, "max_memory": max_memory}
         self.evals = EvalLoaders(eval_loops, self.policy, observe_only, tune_iterable, self.cache, self._limits)
-        self.budget: Budget | None = None
-        self.report: dict[str, Any] | None = None
-        self.report_file: Path | None = None
+        self.switcher.seamless.before_epoch = self.evals.draws_before  # validation's draws between epochs
+        self.budget = self.report = self.report_file = None
         self._steps_since_log = 0
 
     # --- results, read from the parts ---------------------------------------------------------------------------
@@ -237,10 +240,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self.evals.restore()
-        if stage == "fit":
-            self._release()
-        elif self.evals.report(self.budget):  # a validate, test or predict run of its own: its loop in the report
+        self._release()
+        if stage != "fit" and self.evals.report(self.budget):  # a validate, test or predict run: its loop reported
             self._write_report(trainer, self.report or self._build_report(trainer), draw=False)
 
     @override
@@ -248,7 +249,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self._release(failed=True)  # Lightning calls no teardown hook after an exception
 
     def _release(self, failed: bool = False) -> None:
-        """Undo :meth:`setup`; after a ``failed`` fit, also stop every worker the tuner holds. Safe to call twice."""
+        """Undo :meth:`setup`; after a ``failed`` run, also stop every worker the tuner holds. Safe to call twice."""
         self.switcher.restore(stop_workers=failed)
         self.evals.restore(stop_workers=failed)
         self.probe.stop()

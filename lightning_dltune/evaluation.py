@@ -487,6 +487,19 @@ class EvalTuner:
         for logger in trainer.loggers if trainer.is_global_zero else []:
             logger.log_metrics(named, step=step)
 
+    def draws_global_base_seed(self, trainer: "pl.Trainer", epoch: int) -> bool:
+        """Whether the validation pass after train epoch ``epoch - 1`` draws a base seed from the global random state
+        in a run without the tuner, and nothing else from it: the user's loader creates an iterator for it (it has no
+        persistent workers, or Lightning asks the hook for a new loader then), has no generator, and its sampler draws
+        nothing. ``False`` also where that is not known (no validation seen yet, no ``check_val_every_n_epoch``)."""
+        start, user, every = self.state.start, self._user_loader, trainer.check_val_every_n_epoch
+        if start is None or not isinstance(user, DataLoader) or every is None or epoch % every:
+            return False
+        if user.generator is not None or not _draws_nothing(user):
+            return False
+        reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))  # a new loader: a new iterator
+        return start.num_workers == 0 or not start.persistent_workers or reloads
+
     # --- results --------------------------------------------------------------------------------------------
     def held_bytes(self) -> float:
         """What this loop's persistent workers hold while other loops run (0 without them)."""
@@ -599,6 +612,18 @@ class EvalLoaders:
         budget = beside(self.budget, self._held_beside(tuner, trainer))
         if tuner.pass_ended(trainer, budget, self._left(trainer), self.agreement) and self.verbose:
             rank_zero_info(f"DataLoaderTuner {tuner.summary()}\nDiagnosis: {tuner.state.diagnosis}")
+
+    def draws_before(self, generator: torch.Generator, epoch: int) -> None:
+        """Make on ``generator`` (a copy of the global random state) what ``fit``'s validation pass between train
+        epochs ``epoch - 1`` and ``epoch`` draws from the global state in a run without the tuner (see
+        :meth:`EvalTuner.draws_global_base_seed`): seamless epochs draw the next epoch's order ahead from that copy, and
+        the epoch's start checks it against the real state, whatever ran."""
+        tuner = self.running
+        trainer = None if tuner is None else tuner.trainer
+        if tuner is None or tuner.name != "val" or trainer is None or trainer.state.fn != "fit":
+            return
+        if tuner.draws_global_base_seed(trainer, epoch):
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
 
     def held_bytes(self) -> float:
         """What the evaluation loops' persistent workers hold (idle while training runs)."""

@@ -61,6 +61,10 @@ class Seamless:
             ``lightning_dltune._lightning``'s).
         goes_on: ``goes_on(ahead)``, whether the fit trains past the epoch ``ahead`` epochs after the running one
             (asked as the loader reaches that epoch's end): nothing past the fit's last epoch is loaded.
+        before_epoch: ``before_epoch(generator, epoch)`` makes on ``generator`` (a copy of the global random state)
+            the draws that run between epoch ``epoch - 1``'s end and epoch ``epoch``'s start make from the global
+            state, where they are known (the validation pass's: see ``EvalLoaders.draws_before``); the epoch's start
+            checks the guess all the same.
 
     Attributes:
         carried: how many epochs began on an iterator carried over from the epoch before.
@@ -76,8 +80,10 @@ class Seamless:
         shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
         goes_on: Callable[[int], bool] = lambda ahead: True,
         fresh: Callable[[], bool] = lambda: False,
+        before_epoch: Callable[[torch.Generator, int], None] = lambda generator, epoch: None,
     ) -> None:
         self.setting = setting
+        self.before_epoch = before_epoch
         self.epoch, self.base_draws, self.fresh = epoch, base_draws, fresh
         self._serve, self._release, self._shutdown, self._goes_on = serve, release, shutdown, goes_on
         self._carry: tuple[DataLoader, Iterator[Any]] | None = None
@@ -184,6 +190,7 @@ class Seamless:
         if self._global is None:
             self._global = torch.Generator()
             self._global.set_state(torch.get_rng_state())
+        self.before_epoch(self._global, epoch)  # validation between the epochs, as a run without the tuner draws it
         if self.base_draws():  # a new iterator's base seed, drawn at the epoch's start before the order's seed
             torch.empty((), dtype=torch.int64).random_(generator=self._global)
         self._expected[epoch] = self._global.get_state()

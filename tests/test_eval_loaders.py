@@ -394,3 +394,19 @@ def test_persistent_evaluation_workers_that_the_memory_left_cannot_hold_start_af
     assert tuner.state.target.persistent_workers  # fits
     tuner._keep_persistent_within(Budget(cpus=2, max_workers=16, memory_bytes=50 * 2**20))
     assert tuner.state.target == LoaderSettings.normalized(8, persistent_workers=False)
+
+
+def test_seamless_epochs_go_on_across_validation(tmp_path):
+    """The train loader shuffles from the global random state, which validation draws from between epochs (its
+    iterator's base seed, in a run without the tuner): seamless epochs draw the next epoch's order ahead with that
+    draw made, so the epochs after validation begin on the carried iterator, in an untuned run's order."""
+    runs = []
+    for callbacks in ([DataLoaderTuner(report_path=False)], []):
+        pl.seed_everything(7)
+        model, data = EvalModel(), EvalData(train=320)
+        data.train_set = SyntheticDataset(320, latency_ms=4.0)  # the train loader's workers: seamless epochs
+        make_trainer(tmp_path, callbacks, max_epochs=3, logger=False).fit(model, datamodule=data)
+        runs.append((model.seen, callbacks))
+    (tuned, (tuner,)), (untuned, _) = runs
+    assert tuned == untuned
+    assert tuner.state.current.num_workers > 0 and tuner.switcher.seamless.carried >= 1
