@@ -59,7 +59,11 @@ def test_a_tight_memory_budget_stops_the_tuner_below_what_would_exceed_it(tmp_pa
     measured = max(t.stats.worker_mem_bytes for t in tight.trials)
     assert measured > 25 * 2**20  # the workers really hold their own copy
     workers = max(t.settings.num_workers for t in tight.trials)
-    assert workers >= 1 and workers * measured <= budget, [(t.settings, t.stats.worker_mem_bytes) for t in tight.trials]
+    # what the budget bounds: the workers' unique memory summed, at its peak in each window. One worker's largest
+    # reading times the count overstated it (the workers do not all peak at once) and failed a full-suite run at
+    # 150.5 MiB (3 x 50.2) where the workers summed less: each one's footprint there depends on what ran before
+    peak = max(t.stats.worker_mem_total_bytes for t in tight.trials)
+    assert workers >= 1 and peak <= budget, [(t.settings, t.stats.worker_mem_total_bytes) for t in tight.trials]
     loose = tune_hungry(tmp_path / "loose", None)
     assert loose.best_settings["num_workers"] > workers
 
