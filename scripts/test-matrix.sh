@@ -27,6 +27,7 @@ COMPAT_TESTS=(
     tests/test_failure_paths.py
     tests/test_resume.py
     tests/test_in_epoch.py
+    tests/test_eval_loaders.py
     tests/test_loader_libraries.py
     tests/test_torchvision.py
 )
