@@ -125,6 +125,7 @@ def test_validation_loader_is_tuned_exact_logged_and_reported(tmp_path):
 
 def test_restored_after_fit(tmp_path):
     """After ``fit`` the evaluation loop's loader requests, reset and fetch hooks are Lightning's again."""
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner = DataLoaderTuner(report_path=False)
     _, trainer = fit(tmp_path, [tuner], epochs=1, logger=False)
     loop = trainer.fit_loop.epoch_loop.val_loop
@@ -133,6 +134,7 @@ def test_restored_after_fit(tmp_path):
 
 
 def test_eval_loops_off_leaves_validation_alone(tmp_path):
+    # eval_loops=(): the off switch under test; report_path=False: no report is read here
     tuner = DataLoaderTuner(eval_loops=(), report_path=False)
     model, trainer = fit(tmp_path, [tuner], epochs=2, logger=False)
     assert trainer.val_dataloaders.num_workers == 0
@@ -172,6 +174,7 @@ def test_validate_test_and_predict_on_their_own(tmp_path):
 
 
 def test_checkpoint_carries_each_loops_state(tmp_path):
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner = DataLoaderTuner(report_path=False)
     fit(tmp_path, [tuner], epochs=2, logger=False)
     state = tuner.state_dict()
@@ -224,6 +227,7 @@ class CountingData(EvalData):
 )
 def test_validation_schedules_stay_exact(tmp_path, schedule):
     runs = []
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     for callbacks in ([DataLoaderTuner(report_path=False)], []):
         pl.seed_everything(7)
         model, data = EvalModel(), CountingData()
@@ -242,6 +246,7 @@ def test_a_model_without_validation_step_is_left_alone(tmp_path):
     class NoValidation(EvalModel):
         validation_step = None
 
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner = DataLoaderTuner(report_path=False)
     make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(NoValidation(), datamodule=EvalData())
     assert tuner.evals.tuners["val"].passes == 0 and not tuner.evals.tuners["val"].state.trials
@@ -256,6 +261,7 @@ def test_an_iterable_validation_dataset_is_measured_only(tmp_path, lightning_log
         def val_dataloader(self):
             return DataLoader(Stream(), batch_size=16)
 
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner = DataLoaderTuner(report_path=False)
     model = EvalModel()
     make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(model, datamodule=StreamData())
@@ -267,6 +273,7 @@ def test_an_iterable_validation_dataset_is_measured_only(tmp_path, lightning_log
 
 def test_a_standalone_loops_result_is_cached_for_the_next_run(tmp_path, lightning_log):
     for _ in range(2):
+        # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
         tuner = DataLoaderTuner(report_path=False)
         make_trainer(tmp_path, [tuner], logger=False).predict(EvalModel(), datamodule=EvalData())
     predict = tuner.evals.tuners["predict"]
@@ -294,6 +301,7 @@ class MixinData(TunableDataModuleMixin, pl.LightningDataModule):
 def test_mixin_validation_settings_live_on_the_datamodule(tmp_path):
     data = MixinData()
     assert data.loader_kwargs_for("val") == data.loader_kwargs_for("train") == data.loader_kwargs
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner = DataLoaderTuner(report_path=False)
     pl.seed_everything(7)
     model = EvalModel()
@@ -367,6 +375,7 @@ class KillValidationWorker(pl.Callback):
 
 def test_a_validation_worker_killed_mid_pass_loses_and_repeats_nothing(tmp_path, recwarn):
     # few workers, so that the killed one still has batches of the pass to load (with 16, it had loaded them all)
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     tuner, kill = DataLoaderTuner(report_path=False, max_workers=4), KillValidationWorker(epoch=2)
     tuned, _ = fit(tmp_path / "tuned", [tuner, kill], logger=False)
     untuned, _ = fit(tmp_path / "untuned", [], logger=False)
@@ -401,6 +410,7 @@ def test_seamless_epochs_go_on_across_validation(tmp_path):
     iterator's base seed, in a run without the tuner): seamless epochs draw the next epoch's order ahead with that
     draw made, so the epochs after validation begin on the carried iterator, in an untuned run's order."""
     runs = []
+    # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
     for callbacks in ([DataLoaderTuner(report_path=False)], []):
         pl.seed_everything(7)
         model, data = EvalModel(), EvalData(train=320)
