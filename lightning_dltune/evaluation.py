@@ -242,8 +242,7 @@ class EvalTuner:
         self._user_new = False
         if self.state.tuner_changed_workers() and len(loaders) == 1:  # the count is the tuner's, and measured
             _lightning.quiet_worker_check(loaders[0])
-        if self._counting:
-            self.probe.loader_requested()
+        self.probe.loader_requested()
 
     def _after_reset(self) -> None:
         """Guard the pass's iterator (:class:`PassGuard`), and leave the random state as the user's loader would have
@@ -259,8 +258,7 @@ class EvalTuner:
         if user_new and not new:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
         elif new and not user_new and _draws_nothing(loader):
-            for generator, state in saved:
-                torch.set_rng_state(state) if generator is None else generator.set_state(state)
+            _put_back(saved)
         elif new and not user_new:
             info_once(
                 f"eval-{self.name}-rng",
@@ -357,8 +355,7 @@ class EvalTuner:
             return False
         saved = _base_seed_states(new)
         fresh = self.probe.build_loader(lambda: iter(new))
-        for generator, state in saved:  # a new iterator draws a base seed the user's running one did not
-            torch.set_rng_state(state) if generator is None else generator.set_state(state)
+        _put_back(saved)  # a new iterator draws a base seed the user's running one did not
         _lightning.shutdown_iterator(iterator)
         if keeps:  # the old loader's persistent workers are not needed again
             _lightning.shutdown_workers(old)
@@ -375,7 +372,7 @@ class EvalTuner:
         """A worker of the pass's loader died: record its config as failed, and go on from the batch the pass reached
         on the fallback config (no batch lost or repeated). False (the error propagates) for any other error, where
         the pass cannot go on from its batch, or past the recoveries allowed."""
-        from lightning_dltune.switch import is_worker_death
+        from lightning_dltune.switch import error_summary, is_worker_death
 
         iterator, loader, budget = guard.inner, self._pass_loader, self.pass_budget or self.budget
         failed, trainer = self.state.current, self.trainer
@@ -383,8 +380,7 @@ class EvalTuner:
             return False
         if failed is None or trainer is None or not self._resumable(loader, iterator):
             return False
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        why = f"a DataLoader worker died: {lines[-1] if lines else type(error).__name__}"
+        why = f"a DataLoader worker died: {error_summary(error)}"
         distributed = trainer.world_size > 1  # the other ranks learn it at the pass's end
         fallback = self.state.fail(WindowStats(), why, budget, self._step(trainer), agree_later=distributed)
         if fallback is None or not self._go_on(guard, fallback):
@@ -517,6 +513,15 @@ class EvalTuner:
         report = build_report(**self.state.report_content(), budget=budget, series=self.series, extra=extra)
         report.pop("version")
         return report
+
+
+def _put_back(saved: list[tuple[torch.Generator | None, torch.Tensor]]) -> None:
+    """Put back the states :func:`_base_seed_states` saved (``None``: the global one)."""
+    for generator, state in saved:
+        if generator is None:
+            torch.set_rng_state(state)
+        else:
+            generator.set_state(state)
 
 
 def _base_seed_states(loader: DataLoader) -> list[tuple[torch.Generator | None, torch.Tensor]]:

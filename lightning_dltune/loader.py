@@ -34,7 +34,13 @@ from lightning_dltune.probe import Probe
 from lightning_dltune.seamless import Seamless, draws_from_global
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, batches_left
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler, ShardCheck, apart_from_global
+from lightning_dltune.switch import (
+    GuardedIterator,
+    ResumableBatchSampler,
+    ShardCheck,
+    apart_from_global,
+    error_summary,
+)
 
 __all__ = [
     "LoaderSwitcher",
@@ -613,8 +619,7 @@ class LoaderSwitcher:
         return self._fall_back(loader, position, "a DataLoader worker died", error)
 
     def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        summary = lines[-1] if lines else type(error).__name__  # a worker's traceback ends in its error
+        summary = error_summary(error)
         failed = self.state.current
         if failed is None or self.trainer is None:
             return None

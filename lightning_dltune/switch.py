@@ -224,6 +224,12 @@ def is_worker_death(error: BaseException, worker_dead: bool = False) -> bool:
     return worker_dead and isinstance(error, (ConnectionError, EOFError))
 
 
+def error_summary(error: BaseException) -> str:
+    """The last line of ``error``'s message (a worker's traceback ends in its error), or its type's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 class GuardedIterator(Iterator[Any]):
     """The iterator the training loop pulls train batches from, able to change loaders between fetches.
 
