@@ -141,6 +141,23 @@ def test_the_next_epoch_is_loaded_while_this_one_ends_and_without_it_every_epoch
     assert max(carried) < refills[0] / 2, (seen, described(on))
 
 
+def test_seamless_epochs_alone_keep_the_users_config_and_its_order(tmp_path):
+    # the documented way to have seamless epochs on a config chosen by hand: one trial (the user's config, measured
+    # and kept) and no cache (whose settings would replace it)
+    reference = untuned(tmp_path / "untuned", epochs=5, workers=4)
+    tuner = DataLoaderTuner(max_trials=1, cache=False)
+    tuned = fit(tmp_path / "tuned", [tuner], epochs=5, workers=4)
+    assert tuned.epochs == reference.epochs, described(tuner)
+    assert [t.settings.num_workers for t in tuner.trials] == [4] and tuner.phase == "settled", described(tuner)
+    assert tuner.best_settings == {
+        "num_workers": 4,
+        "prefetch_factor": 2,
+        "pin_memory": False,
+        "persistent_workers": True,
+    }
+    assert tuner.switcher.seamless.carried >= 3, described(tuner)  # every epoch start after the first window's
+
+
 class Steady(SimulatedModel):
     """Draws nothing from the global random state (a model whose dropout runs on a GPU's generator)."""
 
