@@ -8,8 +8,13 @@ Done properly where the usual snippet is not:
   ends), and the table says how many batches each rate was measured over;
 * a rate above what the workers could physically produce (``num_workers`` over the production time of a batch
   measured at 1 worker, and at most the CPUs' share for a CPU-bound loader) is flagged, not printed;
-* worker start-up is excluded from the steady state but reported, every config is repeated and given as median
-  and spread, workers' memory is measured, and the sweep stays within the CPUs this process may use.
+* the loader is iterated epoch after epoch, its workers persistent (as a training loop iterates it), for as
+  many epochs as the warm-up and the window need: every config gets a rate, however short an epoch. A window
+  that spans epoch starts includes their refill (PyTorch empties the pipeline at every epoch's end), as
+  training over such epochs does; the wait for an epoch's first batch is reported apart;
+* worker start-up is excluded from the steady state but reported, every config's window is repeated and given as
+  median and spread, workers' memory is measured, the sweep stays within the CPUs this process may use, and a
+  config whose batches in flight would not fit the free ``/dev/shm`` is not run (the table says so).
 """
 
 from __future__ import annotations
@@ -20,18 +25,19 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dltune.budget import cpu_budget, default_max_workers
+from lightning_dltune.budget import cpu_budget, default_max_workers, shm_free_bytes
+from lightning_dltune.decide import Policy
 from lightning_dltune.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune.measure import process_cpu_seconds
 from lightning_dltune.probe import batch_size as batch_size_of
-from lightning_dltune.probe import worker_uss
+from lightning_dltune.probe import tensor_bytes, worker_uss
 from lightning_dltune.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
 
@@ -55,6 +61,7 @@ class BenchRow:
     warmup_batches: int = 0  # batches consumed after the first one before the steady window
     window_batches: int = 0  # batches the rate was measured over (median over repeats)
     worker_cpu_per_batch_s: float = 0.0  # the workers' CPU seconds per batch in the steady window
+    epoch_start_s: float | None = None  # median wait for an epoch's first batch, after the first epoch
     limit_batches_per_s: float | None = None  # the most the workers could physically produce
     predicted_stall: float | None = None
     note: str = ""
@@ -71,7 +78,8 @@ class Measurement:
     uss_mb: float
     batch_samples: int
     cpu_per_batch_s: float
-    short: str = ""  # why there is no steady window (the loader is too short)
+    batch_bytes: int = 0  # the tensors of one batch: what each batch in flight holds in /dev/shm
+    epoch_starts: tuple[float, ...] = ()  # the waits for the first batch of every epoch after the first
 
 
 def in_flight(settings: LoaderSettings) -> int:
@@ -211,59 +219,71 @@ def _workers_cpu_s(settings: LoaderSettings) -> float:
     return children if settings.num_workers else main
 
 
+def epochs(loader: DataLoader) -> Generator[tuple[Any, bool], None, None]:
+    """``loader``'s batches, epoch after epoch as a training loop asks for them, each with whether it began an
+    epoch; ends only for a loader without batches."""
+    while True:
+        began = True
+        for batch in loader:
+            yield batch, began
+            began = False
+        if began:
+            return
+
+
 def measure(loader: DataLoader, settings: LoaderSettings, batches: int, warmup: int, repeats: int) -> Measurement:
-    """Measure ``repeats`` passes of ``loader``: each a first batch (start-up), a warm-up that fills the pipeline
-    and a steady window (:func:`window_sizes`); the rate of each from :func:`steady_rate`."""
+    """Measure ``loader``: its first batch (start-up), a warm-up that fills the pipeline, then ``repeats`` steady
+    windows (:func:`window_sizes`), each after a warm-up of its own, over as many epochs as they need; the rate of
+    each from :func:`steady_rate`."""
     want_warmup, want_window = window_sizes(settings, batches, warmup)
     rates: list[float] = []
     windows: list[int] = []
-    startup = uss = cpu_per_batch = 0.0
-    batch_samples, short = 1, ""
-    for r in range(repeats):
+    starts: list[float] = []
+    uss = cpu_per_batch = 0.0
+    stream = epochs(loader)
+
+    def take() -> float:
+        t = time.perf_counter()
+        _, began = next(stream)
+        waited = time.perf_counter() - t
+        if began:
+            starts.append(waited)
+        return waited
+
+    try:
         t0 = time.perf_counter()
-        times: list[float] = []
-        waits: list[float] = []
-        try:
-            it = iter(loader)
-            first = next(it)
-            if r == 0:
-                startup = time.perf_counter() - t0
-                batch_samples = batch_size_of(first)
+        first, _ = next(stream)
+        startup = time.perf_counter() - t0
+        for r in range(repeats):
             for _ in range(want_warmup):
-                next(it)
+                take()
             cpu0 = _workers_cpu_s(settings)
-            times.append(time.perf_counter())
+            times, waits = [time.perf_counter()], []
             for _ in range(want_window):
-                t = time.perf_counter()
-                next(it)
+                waits.append(take())
                 times.append(time.perf_counter())
-                waits.append(times[-1] - t)
-        except StopIteration:
-            pass
-        except Exception as ex:
-            raise BenchError(f"the dataset raised while loading: {type(ex).__name__}: {ex}") from ex
-        got = len(waits)
-        if got < max(3, 2 * in_flight(settings)):
-            short = (
-                f"too short: {1 + want_warmup + got} batches, a steady window needs at least "
-                f"{1 + want_warmup + max(3, 2 * in_flight(settings))}"
-            )
-            break
-        if r == 0:
-            cpu_per_batch = (_workers_cpu_s(settings) - cpu0) / got
-            uss = _worker_uss_mb()
-        rate, used = steady_rate(times, waits)
-        rates.append(rate)
-        windows.append(used)
+            if r == 0:
+                cpu_per_batch = (_workers_cpu_s(settings) - cpu0) / want_window
+                uss = _worker_uss_mb()
+            rate, used = steady_rate(times, waits)
+            rates.append(rate)
+            windows.append(used)
+    except StopIteration:
+        raise BenchError("the loader gives no batch: pass a non-empty dataset.") from None
+    except Exception as ex:
+        raise BenchError(f"the dataset raised while loading: {type(ex).__name__}: {ex}") from ex
+    finally:
+        stream.close()
     return Measurement(
         startup,
         rates,
         want_warmup,
-        int(statistics.median(windows)) if windows else 0,
+        int(statistics.median(windows)),
         uss,
-        batch_samples,
+        batch_size_of(first),
         cpu_per_batch,
-        short,
+        tensor_bytes(first),
+        tuple(starts),
     )
 
 
@@ -290,7 +310,7 @@ def _row(settings: LoaderSettings, m: Measurement) -> BenchRow:
         warmup_batches=m.warmup,
         window_batches=m.window,
         worker_cpu_per_batch_s=m.cpu_per_batch_s,
-        note=m.short,
+        epoch_start_s=statistics.median(m.epoch_starts) if m.epoch_starts else None,
     )
 
 
@@ -339,15 +359,25 @@ def run_bench(
             else ""
         )
     )
+    batch_bytes, shm = 0, shm_free_bytes()
     for settings in sweep_configs(cap, prefetch or [2, 4]):
+        no_room = shm_short(settings, batch_bytes, shm)
+        if no_room:
+            rows.append(
+                BenchRow(settings.num_workers, settings.prefetch_factor, 0.0, None, 0.0, None, 0.0, note=no_room)
+            )
+            print(f"  {settings.describe():24s} {'-':>8} ({no_room})", flush=True)
+            continue
         try:
             loader = rebuild_dataloader(base, settings.to_loader_kwargs(), quiet=True)
         except NotRebuildableError as ex:
             raise BenchError(f"cannot set num_workers on this DataLoader: {ex}") from ex
         try:
-            row = _row(settings, measure(loader, settings, batches, warmup, repeats))
+            m = measure(loader, settings, batches, warmup, repeats)
         finally:
             shutdown_workers(loader)
+        batch_bytes = max(batch_bytes, m.batch_bytes)
+        row = _row(settings, m)
         rows.append(row)
         rate = f"{row.batches_per_s:8.1f} batches/s" if row.batches_per_s else f"{'-':>8} ({row.note})"
         print(f"  {settings.describe():24s} {rate}  (start-up {row.startup_s:.2f} s)", flush=True)
@@ -377,10 +407,23 @@ def run_bench(
     return result
 
 
+def shm_short(settings: LoaderSettings, batch_bytes: int, shm_bytes: float | None) -> str:
+    """Why ``settings`` is not run where its batches in flight would take more than the tuner's share of the free
+    ``/dev/shm`` (a worker would die with a bus error), else ``""``."""
+    need = batch_bytes * settings.batches_in_flight
+    if shm_bytes is None or need <= Policy().shm_fraction * shm_bytes:
+        return ""
+    return (
+        f"not run: its {settings.batches_in_flight} batches in flight need about {need / 2**20:.0f} MiB of "
+        f"/dev/shm, {shm_bytes / 2**20:.0f} MiB free (docker run --shm-size=8g, or --ipc=host)"
+    )
+
+
 def recommend(rows: list[BenchRow], step_ms: float | None) -> tuple[BenchRow, str]:
+    """The cheapest config that does the job among those measured, and why, naming the configs without a rate."""
     measured = [r for r in rows if r.batches_per_s]
     if not measured:
-        raise BenchError("no config gave a steady rate: the loader is too short; pass a longer dataset.")
+        raise BenchError("no config gave a steady rate; see each config's note above.")
     best = max(r.batches_per_s or 0.0 for r in measured)
     if step_ms is not None:
         ok = [r for r in measured if (r.predicted_stall or 0) <= 0.05]
@@ -389,13 +432,22 @@ def recommend(rows: list[BenchRow], step_ms: float | None) -> tuple[BenchRow, st
     else:
         pool = [r for r in measured if (r.batches_per_s or 0.0) >= 0.95 * best]
         why = "the cheapest within 5% of the best throughput"
+    unmeasured = [
+        LoaderSettings.normalized(r.num_workers, r.prefetch_factor).describe() for r in rows if r not in measured
+    ]
+    if unmeasured:
+        why += f"; among the configs measured: {', '.join(unmeasured)} had no rate (see their notes)"
     return min(pool, key=lambda r: (r.num_workers, r.prefetch_factor or 0)), why
+
+
+def _describe(row: BenchRow) -> str:
+    return LoaderSettings.normalized(row.num_workers, row.prefetch_factor).describe()
 
 
 def format_table(rows: list[BenchRow], step_ms: float | None) -> str:
     head = (
         f"{'workers':>7} {'prefetch':>8} {'batches/s':>10} {'spread':>7} {'samples/s':>10} {'warm-up':>7} "
-        f"{'window':>6} {'start-up s':>10} {'MB/worker':>9}"
+        f"{'window':>6} {'start-up s':>10} {'epoch start s':>13} {'MiB/worker':>10}"
     )
     head += f" {'stall @ ' + format(step_ms, 'g') + ' ms':>14}" if step_ms is not None else ""
     lines = [head, "-" * len(head)]
@@ -405,14 +457,18 @@ def format_table(rows: list[BenchRow], step_ms: float | None) -> str:
             if r.batches_per_s
             else (f"{'-':>10} {'-':>7} {'-':>10}")
         )
+        epoch_start = "-" if r.epoch_start_s is None else f"{r.epoch_start_s:.3f}"
         line = (
             f"{r.num_workers:>7} {r.prefetch_factor or '-':>8} {rate} {r.warmup_batches:>7} {r.window_batches:>6} "
-            f"{r.startup_s:>10.2f} {r.worker_uss_mb:>9.1f}"
+            f"{r.startup_s:>10.2f} {epoch_start:>13} {r.worker_uss_mb:>10.1f}"
         )
         if step_ms is not None:
             line += f" {r.predicted_stall:>14.0%}" if r.predicted_stall is not None else f" {'-':>14}"
         lines.append(line + (f"  {r.note}" if r.note else ""))
-    lines.append("warm-up: batches consumed after the first before timing; window: batches the rate was measured over.")
+    lines.append(
+        "warm-up: batches consumed after the first before timing; window: batches the rate was measured over; "
+        "epoch start: the wait for an epoch's first batch after the first epoch (the pipeline refilling)."
+    )
     return "\n".join(lines)
 
 

@@ -86,13 +86,17 @@ class PythonObjectsDataset(SyntheticDataset):
     count writes copy the pages it reads (copy-on-read), so its unique memory grows as it loads samples. The
     guide's classic out-of-memory story, in small: every worker ends up with its own copy of the dataset."""
 
-    def __init__(self, length: int = 480, strings: int = 400_000, latency_ms: float = 6.0) -> None:
+    def __init__(
+        self, length: int = 480, strings: int = 400_000, latency_ms: float = 6.0, per_sample: int | None = None
+    ) -> None:
         super().__init__(length=length, latency_ms=latency_ms)
         self.strings = [f"sample-{i:012d}" for i in range(strings)]
-        self.per_sample = strings // length
+        # by default the samples' slices tile the strings once; a larger ``per_sample`` makes them overlap
+        self.per_sample = min(strings, per_sample or strings // length)
+        self.stride = (strings - self.per_sample) // max(1, length - 1) if per_sample else self.per_sample
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        touched = self.strings[index * self.per_sample : (index + 1) * self.per_sample]
+        touched = self.strings[index * self.stride : index * self.stride + self.per_sample]
         del touched
         return super().__getitem__(index)
 

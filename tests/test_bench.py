@@ -26,12 +26,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 class Sleepy(Dataset):
-    def __init__(self, n=1024):
-        self.n = n
+    def __init__(self, n=1024, ms={SLEEP_MS}):
+        self.n, self.ms = n, ms
     def __len__(self):
         return self.n
     def __getitem__(self, i):
-        time.sleep({SLEEP_MS} / 1e3)
+        time.sleep(self.ms / 1e3)
         return torch.zeros(4), i
 
 def make():
@@ -39,6 +39,9 @@ def make():
 
 def short():
     return Sleepy(96)
+
+def guide():  # the guide's DummyDataset's shape: 1,000 samples, each a wait (shorter than its 10 ms)
+    return Sleepy(1000, ms=0.25)
 
 def spawned():
     return DataLoader(Sleepy(256), batch_size=8, num_workers=1, multiprocessing_context="spawn")
@@ -79,13 +82,44 @@ def test_no_rate_is_above_what_the_workers_can_produce_and_warmup_grows_with_the
     assert all(r["batches_per_s"] > 2 * rows[0]["batches_per_s"] for r in four)  # workers do overlap the sleep
 
 
-def test_a_loader_too_short_for_a_steady_window_says_so_instead_of_a_rate(known, tmp_path, capsys):
-    # 12 batches: 0 and 1 worker have a steady window; 4 workers x prefetch 4 = 16 in flight cannot have one
+def test_every_config_gets_a_rate_on_a_1000_sample_dataset_its_epochs_iterated_as_training_does(known, tmp_path):
+    # the default arguments (batch 32, 0 to 16 workers, prefetch 2 and 4): 32 batches an epoch, fewer than the
+    # 16-worker configs' warm-up and window together
+    out = tmp_path / "out"
+    assert main(["bench", f"{known}:guide", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    rows = result["rows"]
+    assert [(r["num_workers"], r["prefetch_factor"]) for r in rows][-2:] == [(16, 2), (16, 4)]
+    assert all(r["batches_per_s"] is not None and not r["note"] for r in rows), rows
+    for r in rows:
+        flight = in_flight(LoaderSettings.normalized(r["num_workers"], r["prefetch_factor"]))
+        assert r["warmup_batches"] == max(3, flight) and r["window_batches"] >= max(30, 4 * flight) // 2, r
+    # the 16-worker windows span several epochs: each epoch's first batch waits for the pipeline to refill
+    assert all(r["epoch_start_s"] is not None for r in rows if r["num_workers"] == 16)
+    assert "had no rate" not in result["why"]
+
+
+def test_a_loader_too_short_for_one_window_is_iterated_over_several_epochs(known, tmp_path):
+    # 12 batches an epoch: 4 workers x prefetch 4 = 16 in flight, a window of at least 64
     result = _bench(f"{known}:short", tmp_path, "--max-workers", "4", "--prefetch", "4", "--batches", "5")
-    by_workers = {r["num_workers"]: r for r in result["rows"]}
-    assert by_workers[0]["batches_per_s"] is not None
-    assert by_workers[4]["batches_per_s"] is None and by_workers[4]["note"].startswith("too short")
-    assert "too short" in capsys.readouterr().out
+    four = {r["num_workers"]: r for r in result["rows"]}[4]
+    assert four["batches_per_s"] is not None and four["window_batches"] > 12 and four["epoch_start_s"] > 0, four
+
+
+def test_a_config_whose_batches_in_flight_outgrow_dev_shm_is_not_run_and_the_recommendation_says_so(
+    known, tmp_path, monkeypatch, capsys
+):
+    from lightning_dltune import bench
+
+    # a container's 64 MiB /dev/shm (the real one here has gigabytes): a batch of 8 x 4 floats is 128 bytes plus
+    # 64 bytes of indices; 1 worker x prefetch 2 fits in 500 bytes' half, 2 x 2 does not
+    monkeypatch.setattr(bench, "shm_free_bytes", lambda: 1000.0)
+    result = _bench(f"{known}:make", tmp_path, "--max-workers", "2", "--prefetch", "2", "--batches", "4")
+    rows = {r["num_workers"]: r for r in result["rows"]}
+    assert rows[1]["batches_per_s"] is not None
+    assert rows[2]["batches_per_s"] is None and rows[2]["note"].startswith("not run: its 4 batches in flight need")
+    assert "workers=2 prefetch=2 had no rate" in result["why"], result["why"]
+    assert "/dev/shm" in capsys.readouterr().out
 
 
 def test_a_file_target_is_importable_by_spawned_workers(known, tmp_path):

@@ -60,13 +60,59 @@ def test_combined_loader_reset_shuts_workers_down():
     assert not any(w.is_alive() for w in workers)
 
 
-def test_the_fit_loop_restores_saved_loader_states_as_the_switcher_expects():
-    """``loader_state_pending`` predicts what ``setup_data`` does right after building the train loader."""
-    from lightning.pytorch.loops.fit_loop import _FitLoop
+class _StatefulLoader(DataLoader):
+    """A loader with a ``state_dict``, as torchdata's ``StatefulDataLoader``: records the states loaded into it."""
 
-    src = inspect.getsource(_FitLoop._load_combined_loader_states)
-    assert "self.restarting" in src and "self._combined_loader_states_to_load" in src
-    assert "_load_combined_loader_states()" in inspect.getsource(_FitLoop.setup_data)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loaded = []
+
+    def state_dict(self):
+        return {"seen": 1}
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+
+class _PendingModel(pl.LightningModule):
+    """Asks ``loader_state_pending`` about each train loader it builds, as the switcher does, before Lightning's
+    ``setup_data`` goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.built = []  # (pending, loader)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch.float().unsqueeze(-1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        loader = _StatefulLoader(torch.arange(32), batch_size=4)
+        self.built.append((_lightning.loader_state_pending(self.trainer, loader), loader))
+        return loader
+
+
+def test_loader_state_pending_predicts_the_states_lightning_loads_into_a_new_train_loader(tmp_path):
+    """``loader_state_pending`` is True exactly where ``setup_data`` then loads a checkpoint's state into the
+    loader it built: in a ``fit`` resumed mid-epoch, not in a fresh one."""
+
+    def trainer(**kwargs):
+        return pl.Trainer(
+            default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
+        )
+
+    first = _PendingModel()
+    trainer(max_steps=3).fit(first)  # stops mid-epoch (8 batches an epoch) and checkpoints there
+    ((pending, loader),) = first.built
+    assert not pending and loader.loaded == []
+    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    resumed = _PendingModel()
+    trainer(max_steps=5).fit(resumed, ckpt_path=ckpt)
+    ((pending, loader),) = resumed.built
+    assert pending and loader.loaded == [{"seen": 1}]
 
 
 def test_recorded_dataloader_arguments_are_where_the_rebuild_reads_them():
