@@ -69,14 +69,49 @@ class Model(SimulatedModel):
 WORKLOADS = {"val": {}, "val_quarter": {"val_check_interval": 0.25}, "predict": {}}
 
 
-def run(arm: str, workload: str, latency_ms: float, epochs: int) -> tuple[float, str]:
+class Boundaries(pl.Callback):
+    """The hand-overs between the loops of a ``fit``, the sanity check left out: from the end of the last training
+    batch before a validation pass to the start of its first batch (train to validation: the pass's set-up, its
+    iterator's creation and its first batch's wait), and from the end of a pass's last batch to the start of the
+    next training batch (validation to train: the pass's end and, after an epoch's end, the next epoch's start)."""
+
+    def __init__(self) -> None:
+        self.to_val: list[float] = []
+        self.to_train: list[float] = []
+        self._train_end = self._val_end = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._train_end = time.perf_counter()
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, i: int, *args: Any) -> None:
+        if i == 0 and not trainer.sanity_checking and self._train_end is not None:
+            self.to_val.append(time.perf_counter() - self._train_end)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self._val_end = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._val_end is not None:
+            self.to_train.append(time.perf_counter() - self._val_end)
+            self._val_end = None
+
+    def medians_ms(self) -> tuple[float, float] | None:
+        if not self.to_val or not self.to_train:
+            return None
+        return statistics.median(self.to_val) * 1e3, statistics.median(self.to_train) * 1e3
+
+
+def run(arm: str, workload: str, latency_ms: float, epochs: int) -> tuple[float, str, tuple[float, float] | None]:
+    """One whole run of ``arm``: its wall time, its configs, and its median hand-overs (ms, ``fit`` only)."""
     pl.seed_everything(0)
     tuner = DataLoaderTuner(cache=False, report_path=False, verbose=False) if arm == "tuned" else None
+    boundaries = Boundaries()  # on every arm alike
     workers = 0 if arm in ("default", "tuned") else int(arm.split("=")[1])
     kwargs = {"num_workers": workers, "persistent_workers": True} if workers else {}
     trainer = pl.Trainer(
         max_epochs=epochs,
-        callbacks=[tuner] if tuner else [],
+        callbacks=[tuner, boundaries] if tuner else [boundaries],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -89,11 +124,12 @@ def run(arm: str, workload: str, latency_ms: float, epochs: int) -> tuple[float,
         model, datamodule=data
     )
     wall = time.perf_counter() - t0
+    edges = boundaries.medians_ms()
     if tuner is None:
-        return wall, str(workers) if workload == "predict" else f"{workers} / {workers}"
+        return wall, str(workers) if workload == "predict" else f"{workers} / {workers}", edges
     evaluated = tuner.evals.tuners["predict" if workload == "predict" else "val"].state.current
     n = evaluated.num_workers if evaluated else "?"
-    return wall, str(n) if workload == "predict" else f"{tuner.state.current.num_workers} / {n}"
+    return wall, str(n) if workload == "predict" else f"{tuner.state.current.num_workers} / {n}", edges
 
 
 def main() -> int:
@@ -113,14 +149,17 @@ def main() -> int:
     for workload in args.workloads.split(","):
         walls: dict[str, list[float]] = {a: [] for a in arms}
         configs: dict[str, list[str]] = {a: [] for a in arms}
+        edges: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
-                wall, config = run(arm, workload, args.latency_ms, args.epochs)
+                wall, config, edge = run(arm, workload, args.latency_ms, args.epochs)
                 walls[arm].append(wall)
                 configs[arm].append(config)
-                print(f"{workload} round {r}: {arm:12s} {wall:6.2f} s  workers {config}", file=sys.stderr)
-        results[workload] = {"walls": walls, "configs": configs}
-        sections.append(table(workload, arms, thumb, walls, configs, args, cpus))
+                if edge is not None:
+                    edges[arm].append(edge)
+                print(f"{workload} round {r}: {arm:12s} {wall:6.2f} s  workers {config} edges {edge}", file=sys.stderr)
+        results[workload] = {"walls": walls, "configs": configs, "boundary_ms": edges}
+        sections.append(table(workload, arms, thumb, walls, configs, edges, args, cpus))
         print(sections[-1])
     write_results(HERE / "results", "evaluation.json", results)
     if args.write_md:
@@ -134,6 +173,7 @@ def table(
     thumb: str,
     walls: dict[str, list[float]],
     configs: dict[str, list[str]],
+    edges: dict[str, list[tuple[float, float]]],
     args: argparse.Namespace,
     cpus: int,
 ) -> str:
@@ -145,23 +185,37 @@ def table(
         "batch 32)",
         "predict": "a `trainer.predict` of its own, 320 batches of 16",
     }[workload]
-    columns = "workers (train / val), each round" if workload != "predict" else "workers, each round"
+    fit = workload != "predict"
+    columns = "workers (train / val), each round" if fit else "workers, each round"
     lines = [
         f"**{workload}**: {what}; {args.latency_ms:g} ms a sample; {cpus} CPUs, torch {torch.__version__}, lightning "
         f"{pl.__version__}; {args.rounds} rounds, order rotated. Oracle: the best static config on every loader "
         f"({oracle}).",
         "",
-        f"| arm | median s | x oracle | paired range | {columns} |",
-        "|---|---|---|---|---|",
+        f"| arm | median s | x oracle | paired range | {columns} |" + (" hand-overs, ms |" if fit else ""),
+        "|---|---|---|---|---|" + ("---|" if fit else ""),
     ]
     for arm in arms:
         ratios = [a / b for a, b in zip(walls[arm], walls[oracle], strict=True)]
         median = statistics.median(walls[arm])
         label = arm + (" (oracle)" if arm == oracle else "") + (" (rule of thumb)" if arm == thumb else "")
+        hand = ""
+        if fit:
+            to_val = statistics.median(e[0] for e in edges[arm]) if edges[arm] else float("nan")
+            to_train = statistics.median(e[1] for e in edges[arm]) if edges[arm] else float("nan")
+            hand = f" {to_val:.0f} / {to_train:.0f} |"
         lines.append(
             f"| {label} | {median:.2f} | {median / statistics.median(walls[oracle]):.2f}x "
-            f"| {min(ratios):.2f}-{max(ratios):.2f}x | {', '.join(configs[arm])} |"
+            f"| {min(ratios):.2f}-{max(ratios):.2f}x | {', '.join(configs[arm])} |{hand}"
         )
+    if fit:
+        lines += [
+            "",
+            "Hand-overs: the median over the rounds of each run's median gap from the last training batch's end to "
+            "a validation pass's first batch's start (train to validation: the pass's set-up, its iterator and its "
+            "first batch) / from a pass's last batch's end to the next training batch's start (validation to train: "
+            "after an epoch's end, the next epoch's start too); the sanity check left out.",
+        ]
     return "\n".join(lines)
 
 

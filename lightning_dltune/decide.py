@@ -301,18 +301,23 @@ def _host_busy(t: Trial) -> float:
 
 def worker_memory(trials: Sequence[Trial], policy: Policy = Policy()) -> tuple[WorkerMemory, bool]:
     """The workers' memory over every trial that measured it (failed ones too: a config over the budget measured
-    the most): the largest base, growth and peaks; the policy's prior when none did. And whether one did."""
+    the most): the fit that predicts the most over one worker's epoch, with the largest peaks; the policy's prior
+    when none did. And whether one did."""
     seen = [t.stats.worker_memory for t in trials if _read_workers(t)]
     if not seen:
         prior = policy.worker_mem_prior
         return WorkerMemory(prior, 0.0, prior, 0.0, 0), False
+    epochs = [t.stats.epoch_batches for t in trials if 0 < t.stats.epoch_batches < math.inf]
+    grows = max(seen, key=lambda m: m.base_bytes + m.grown(max(epochs, default=1000.0)))
     return (
         WorkerMemory(
-            max(m.base_bytes for m in seen),
-            max(m.growth_bytes for m in seen),
+            grows.base_bytes,
+            grows.growth_bytes,
             max(m.peak_worker_bytes for m in seen),
             max(m.peak_total_bytes for m in seen),
             len(seen),
+            grows.jump_bytes,
+            grows.saturation_batches,
         ),
         True,
     )
@@ -900,6 +905,8 @@ def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | 
     mem = est.memory
     per = memory.worker_bytes(mem, workers, est.mem_life_batches, est.mem_ceiling_bytes or None)
     grows = f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads" if mem.growth_bytes > 0 else ""
+    if mem.jump_bytes > 0:
+        grows = f", {mem.jump_bytes / MiB:.0f} MiB of it copied in a worker's first batches" + grows
     return Decision(
         "settle",
         cur.with_workers(cap),

@@ -86,6 +86,8 @@ class WindowStats:
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
     worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
     worker_mem_growth_bytes: float = 0.0  # what a worker's USS grows per batch it loads (copy-on-read), fitted
+    worker_mem_jump_bytes: float = 0.0  # what a fresh worker copies in its first batches, saturating, fitted
+    worker_mem_saturation: float = 0.0  # the batches over which that jump saturates (0: no jump), fitted
     main_mem_bytes: float = 0.0  # the training process's own footprint (RSS): what a worker can come to hold
     epoch_batches: float = 0.0  # batches in an epoch of the loader (0: unknown, inf: unbounded)
     batch_bytes: float = 0.0  # tensor bytes of one batch
@@ -183,6 +185,8 @@ class WindowStats:
             worker_mem_total_bytes=mem.peak_total_bytes,
             worker_mem_base_bytes=mem.base_bytes,
             worker_mem_growth_bytes=mem.growth_bytes,
+            worker_mem_jump_bytes=mem.jump_bytes,
+            worker_mem_saturation=mem.saturation_batches,
             batch_bytes=batch_bytes,
             main_mem_bytes=main_mem_bytes,
             epoch_batches=epoch_batches,
@@ -197,6 +201,8 @@ class WindowStats:
             self.worker_mem_bytes,
             self.worker_mem_total_bytes,
             1 if self.worker_mem_bytes > 0 else 0,
+            self.worker_mem_jump_bytes,
+            self.worker_mem_saturation,
         )
 
     def with_gpu(self, gpu: GpuStats) -> WindowStats:

@@ -7,11 +7,19 @@ copy (copy-on-read): a worker's unique memory (USS) grows with the batches it pr
 process holds (all there is to copy; a spawned worker unpickles the dataset and comes to the same). So, per
 worker, at the end of its life of ``life`` batches (one epoch, or the rest of the run with persistent workers)::
 
-    uss(w)   = min(ceiling, base + growth * life / w)     w workers share the batches of a life
-    total(w) = w * (uss(w) + in_flight)                    in_flight: its batches in flight (and pinned copies)
+    uss(w)   = min(ceiling, base + grown(life / w))                  w workers share the batches of a life
+    grown(n) = growth * n + jump * (1 - exp(-n / tau))               jump: 0 unless samples overlap
 
-``base`` and ``growth`` are fitted on the USS sampled during a window (:func:`fit`); ``ceiling`` is the training
-process's own footprint. Before any worker was measured only the ceiling is known: a config whose workers fit
+``base``, ``growth``, ``jump`` and ``tau`` (``saturation_batches``) are fitted on the USS sampled during a window
+(:func:`fit`). ``growth`` goes on with every batch a worker loads (each copies pages no batch touched before).
+``jump`` is what a fresh worker copies in its first batches and then no more: where samples overlap (each reads
+pages its neighbours read too), the share a worker has copied after ``n`` random samples grows as
+``1 - exp(-n / tau)``, so fewer batches each leave each worker nearly as large; ``ceiling`` is the training
+process's own footprint.
+
+    total(w) = w * (uss(w) + in_flight)                              in_flight: its batches in flight (and pinned)
+
+Before any worker was measured only the ceiling is known: a config whose workers fit
 even at the ceiling is safe to jump to; a larger one is measured on fewer workers first.
 """
 
@@ -37,13 +45,31 @@ class MemorySample:
 
 @dataclass(frozen=True)
 class WorkerMemory:
-    """A window's fit: a worker's USS is ``base_bytes + growth_bytes * (batches it produced)``."""
+    """A window's fit: a worker's USS is ``base_bytes + grown(batches it produced)``."""
 
     base_bytes: float = 0.0
     growth_bytes: float = 0.0  # per batch the worker produced
     peak_worker_bytes: float = 0.0
     peak_total_bytes: float = 0.0
     samples: int = 0
+    jump_bytes: float = 0.0  # copied in a worker's first batches, saturating over ``saturation_batches``
+    saturation_batches: float = 0.0
+
+    def grown(self, batches: float) -> float:
+        """What a worker grows over its first ``batches`` batches (``inf`` for an unknown count, where it grows)."""
+        if batches <= 0:
+            return 0.0
+        jump = self.jump_bytes * -math.expm1(-batches / self.saturation_batches) if self.saturation_batches else 0.0
+        return (self.growth_bytes * batches if self.growth_bytes > 0 else 0.0) + jump
+
+    def rate(self, batches: float) -> float:
+        """What a worker that produced ``batches`` batches grows per batch more."""
+        tau = self.saturation_batches
+        return self.growth_bytes + (self.jump_bytes / tau * math.exp(-batches / tau) if tau else 0.0)
+
+
+SATURATIONS = (64.0, 32.0, 16.0, 8.0, 4.0, 2.0)  # tau fitted (batches a worker produced)
+SATURATION_GAIN = 0.5  # a fit with a jump is taken where it leaves at most this share of the linear fit's error
 
 
 def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
@@ -58,11 +84,46 @@ def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
     latest = latest_set(readings)
     xs = [s.batches / s.workers for s in latest]
     ys = [s.total_bytes / s.workers for s in latest]
-    growth = slope(xs, ys) if len(set(xs)) >= 3 else None
-    if growth is None:
+    if len(set(xs)) < 3:
         return WorkerMemory(ys[-1], 0.0, peak_worker, peak_total, len(readings))
+    growth = slope(xs, ys) or 0.0
     base = max(0.0, sum(ys) / len(ys) - growth * sum(xs) / len(xs))
-    return WorkerMemory(base, growth, peak_worker, peak_total, len(readings))
+    best = WorkerMemory(base, growth, peak_worker, peak_total, len(readings))
+    error = SATURATION_GAIN * _error(best, xs, ys)
+    for tau in SATURATIONS:
+        fitted = _fit_jump(xs, ys, tau)
+        if fitted is not None and _error(fitted, xs, ys) < error:
+            best = WorkerMemory(
+                fitted.base_bytes, fitted.growth_bytes, peak_worker, peak_total, len(readings), fitted.jump_bytes, tau
+            )
+            error = _error(fitted, xs, ys)
+    return best
+
+
+def _error(mem: WorkerMemory, xs: Sequence[float], ys: Sequence[float]) -> float:
+    return sum((y - mem.base_bytes - mem.grown(x)) ** 2 for x, y in zip(xs, ys, strict=True))
+
+
+def _fit_jump(xs: Sequence[float], ys: Sequence[float], tau: float) -> WorkerMemory | None:
+    """``ys = base + growth * xs + jump * (1 - exp(-xs / tau))`` by least squares, ``growth`` and ``jump`` never
+    negative (where the pair would have one so, the jump alone); ``None`` where the fit has no jump."""
+    zs = [-math.expm1(-x / tau) for x in xs]
+    n, mx, mz, my = len(xs), sum(xs) / len(xs), sum(zs) / len(zs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    szz = sum((z - mz) ** 2 for z in zs)
+    sxz = sum((x - mx) * (z - mz) for x, z in zip(xs, zs, strict=True))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    szy = sum((z - mz) * (y - my) for z, y in zip(zs, ys, strict=True))
+    det = sxx * szz - sxz**2
+    growth = jump = 0.0
+    if det > 1e-12 * max(1.0, sxx * szz):
+        growth, jump = (szz * sxy - sxz * szy) / det, (sxx * szy - sxz * sxy) / det
+    if growth < 0 or det <= 1e-12 * max(1.0, sxx * szz):
+        growth, jump = 0.0, szy / szz if szz > 0 else 0.0
+    if jump <= 0.01 * abs(my) or n < 3:  # no jump, or none worth a parameter
+        return None
+    base = max(0.0, my - growth * mx - jump * mz)
+    return WorkerMemory(base, growth, jump_bytes=jump, saturation_batches=tau)
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -86,9 +147,7 @@ def worker_bytes(mem: WorkerMemory, workers: int, life_batches: float, ceiling: 
     together; ``inf``: unknown, then a growing worker is taken to reach the ceiling)."""
     if workers <= 0:
         return 0.0
-    size = mem.base_bytes
-    if mem.growth_bytes > 0:
-        size += mem.growth_bytes * life_batches / workers  # inf for an unknown life
+    size = mem.base_bytes + mem.grown(life_batches / workers)  # inf for an unknown life
     if ceiling is not None and ceiling > 0:
         size = min(size, max(ceiling, mem.base_bytes))
     return size
@@ -151,6 +210,8 @@ def in_flight_bytes(batch_bytes: float, prefetch: int | None, pin_memory: bool) 
 def describe_growth(mem: WorkerMemory, life_batches: float, workers: int) -> str:
     """``"62 MiB per worker, growing 0.8 MiB per batch it loads"``, for diagnoses."""
     text = f"{mem.peak_worker_bytes / MiB:.0f} MiB per worker"
+    if mem.jump_bytes > 0:
+        text += f", {mem.jump_bytes / MiB:.0f} MiB of it copied in a worker's first batches"
     if mem.growth_bytes > 0:
         text += f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads"
         end = worker_bytes(mem, workers, life_batches, None) if math.isfinite(life_batches) and workers > 0 else 0.0

@@ -201,8 +201,9 @@ class MemoryWatch:
             self._window += 1
         fitted = fit(samples)
         readings = [s for s in samples if s.workers > 0 and s.total_bytes > 0]
-        if len({s.batches for s in latest_set(readings)}) >= 3:  # fewer fit no growth
-            self._fitted_growth = fitted.growth_bytes
+        latest = latest_set(readings)
+        if len({s.batches for s in latest}) >= 3:  # fewer fit no growth
+            self._fitted_growth = fitted.rate(latest[-1].batches / latest[-1].workers)  # per batch, from here on
         return fitted
 
     def loader_built(self, workers: int) -> None:

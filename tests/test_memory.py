@@ -130,6 +130,40 @@ def test_measured_growth_sets_the_cap_at_the_end_of_the_epoch():
     assert estimate([start, flat], MEM, Policy()).mem_cap_workers == 20
 
 
+def overlapping(batches):
+    """One worker's USS (MiB) after ``batches`` batches where samples overlap: 110 MiB of copies, saturating."""
+    return 60 + 110 * -math.expm1(-batches / 4)
+
+
+def test_the_fit_tells_growth_that_saturates_from_growth_that_does_not():
+    steps = range(2, 58, 3)
+    mem = fit([MemorySample(i, n, 1, overlapping(n) * MiB, overlapping(n) * MiB) for i, n in enumerate(steps)])
+    assert mem.saturation_batches == 4 and mem.base_bytes == pytest.approx(60 * MiB)
+    assert mem.jump_bytes == pytest.approx(110 * MiB) and mem.growth_bytes == pytest.approx(0, abs=1)
+    assert worker_bytes(mem, 4, 60, None) == pytest.approx(overlapping(15) * MiB)  # 15 batches each: nearly all
+    linear = fit(readings(1, 40, 0.2, steps))
+    assert linear.jump_bytes == 0 and linear.growth_bytes == pytest.approx(0.2 * MiB)
+    # a one-off copy at a worker's start (a garbage collection touching every object), then copy-on-read
+    both = fit([MemorySample(i, n, 1, (20 + 15 * -math.expm1(-n / 4) + 0.3 * n) * MiB, 0) for i, n in enumerate(steps)])
+    assert (both.jump_bytes, both.growth_bytes) == (pytest.approx(15 * MiB), pytest.approx(0.3 * MiB))
+
+
+def test_a_trial_sized_on_growth_that_saturates_stays_within_the_budget():
+    # the seed guide's copy-on-read (#34): each sample reads 40,000 of 2 million strings, overlapping its neighbours'.
+    # One worker measured over 56 batches; a straight line through its readings predicted 4 workers to fit 600 MiB,
+    # and they went to 641 MiB within nine steps: a fresh worker copies most of what it will hold in its first batches
+    from dataclasses import replace
+
+    start = with_mem(trial(0, 100, 15, fetch_cpu_ms=1), 0, main_mib=471)
+    samples = [MemorySample(i, n, 1, overlapping(n) * MiB, overlapping(n) * MiB) for i, n in enumerate(range(2, 58, 3))]
+    one = trial(1, 90, 15)
+    one = replace(one, stats=one.stats.with_memory(fit(samples), 0.0, 471 * MiB, 60))
+    est = estimate([start, one], MEM, Policy())
+    assert est.mem_cap_workers == 3, est  # 4 x 167 MiB > 600 MiB >= 3 x 169 MiB
+    decision = decide([start, one], MEM, Policy())
+    assert decision.action == "try" and decision.settings.num_workers == 3, decision.reason
+
+
 def test_over_budget_goes_down_at_once_and_the_config_is_never_tried_again():
     start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
     # 6 workers hold 900 MiB together (copy-on-read), 3 steps into the window: not enough steps, still acted on

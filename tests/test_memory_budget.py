@@ -76,7 +76,9 @@ def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp
     # the growth since the latest reading, settled workers grew 20-27 MiB past it between two readings.
     window_growth = 20 * 16 * dataset.bytes_per_sample()
     assert watch.peak <= budget + 0.5 * window_growth, (watch.peak / MiB, [t.decision for t in tuner.trials])
-    assert max(t.settings.num_workers for t in tuner.trials) >= 2  # and the budget was used, not avoided
+    assert max(t.settings.num_workers for t in tuner.trials) >= 2, [
+        (t.settings.describe(), t.stats.steps, t.stats.worker_memory, t.decision) for t in tuner.trials
+    ]  # and the budget was used, not avoided
 
 
 class Leaky(SyntheticDataset):
