@@ -7,7 +7,9 @@ pass's first batch, with the creation of its iterator, is its start-up), pools p
 ``min_steps`` steady steps, and between passes decides with the train loader's model
 (:class:`~lightning_dltune.state.TuningState`), over the batches of the passes left. A switch takes effect at the
 next pass: its loader is rebuilt from the user's last one (the user's hook is not called for it, and Lightning's
-reload schedule is kept). A pass is never switched inside.
+reload schedule is kept). On one process a pass of a map-style loader also switches inside, as soon as its window
+can be judged, going on from the batch its iterator reached (:class:`SkipOnce`). A loop with several loaders is
+measured, not tuned.
 
 The global random state stays as an untuned run leaves it: a pass whose iterator is reset (persistent workers) where
 the user's loader would create one (and draw a base seed) draws that seed; one whose iterator is new where the
