@@ -120,6 +120,7 @@ def indices_of(path, tuner, **kwargs):
 def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
     # mode="in_epoch", windows of 10: the checkpoint at step 25 falls in an epoch that switched inside, twice (with
     # the defaults: the test below)
+    # the reference trains untuned (observe_only) and no earlier run's cache starts any run here (cache=False)
     reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))  # as `fit` does
     head = indices_of(
         tmp_path / "b",
@@ -137,6 +138,7 @@ def test_resumed_mid_epoch_the_epoch_continues_in_the_same_order(tmp_path):
 
 
 def test_resumed_mid_epoch_with_the_defaults_the_epoch_continues_in_the_same_order(tmp_path):
+    # the reference trains untuned (observe_only) and no earlier run's cache starts any run here (cache=False)
     reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False))
     head = indices_of(tmp_path / "b", DataLoaderTuner(cache=False), every_n_steps=25, max_steps=25)
     ckpt = tmp_path / "b" / "ckpt" / "epoch=0-step=25.ckpt"
