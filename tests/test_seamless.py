@@ -396,5 +396,6 @@ def test_a_loader_lightning_reloads_every_epoch_trains_what_a_run_without_the_tu
     tuner = DataLoaderTuner(observe_only=observe_only)  # the argument under test (observing, or the default)
     tuned = reloaded_every_epoch(tmp_path, [tuner], workers, new_each)
     assert tuned == without_tuner(workers, new_each), described(tuner)
-    if not observe_only:  # on other settings than the user's, from the second epoch on
-        assert tuner.best_settings["num_workers"] not in (workers, 0), described(tuner)
+    if not observe_only:  # it ran on other settings than the user's (where it ends is the run-length rule's: with
+        # few steps left it may hold on the user's config, which a busy host made it do in one full-suite run)
+        assert any(t.settings.num_workers not in (workers, 0) for t in tuner.trials), described(tuner)
