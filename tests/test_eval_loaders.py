@@ -228,7 +228,7 @@ class CountingData(EvalData):
 def test_validation_schedules_stay_exact(tmp_path, schedule):
     runs = []
     # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
-    for callbacks in ([DataLoaderTuner(report_path=False)], []):
+    for callbacks in ([DataLoaderTuner(report_path=False)], []):  # no report: see the comment above
         pl.seed_everything(7)
         model, data = EvalModel(), CountingData()
         opts = {"max_epochs": 2, **schedule}
@@ -411,7 +411,7 @@ def test_seamless_epochs_go_on_across_validation(tmp_path):
     draw made, so the epochs after validation begin on the carried iterator, in an untuned run's order."""
     runs = []
     # report_path=False: this test reads the tuner, not the report (the default's report: the first test)
-    for callbacks in ([DataLoaderTuner(report_path=False)], []):
+    for callbacks in ([DataLoaderTuner(report_path=False)], []):  # no report: see the comment above
         pl.seed_everything(7)
         model, data = EvalModel(), EvalData(train=320)
         data.train_set = SyntheticDataset(320, latency_ms=4.0)  # the train loader's workers: seamless epochs

@@ -145,7 +145,7 @@ def test_seamless_epochs_alone_keep_the_users_config_and_its_order(tmp_path):
     # the documented way to have seamless epochs on a config chosen by hand: one trial (the user's config, measured
     # and kept) and no cache (whose settings would replace it)
     reference = untuned(tmp_path / "untuned", epochs=5, workers=4)
-    tuner = DataLoaderTuner(max_trials=1, cache=False)
+    tuner = DataLoaderTuner(max_trials=1, cache=False)  # the documented way in, as the comment above says
     tuned = fit(tmp_path / "tuned", [tuner], epochs=5, workers=4)
     assert tuned.epochs == reference.epochs, described(tuner)
     assert [t.settings.num_workers for t in tuner.trials] == [4] and tuner.phase == "settled", described(tuner)
