@@ -19,6 +19,7 @@ import functools
 import gc
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
@@ -342,7 +343,7 @@ def round_arms(
     """The arms re-timed in rounds: the oracle's config, a fresh tuner from 0 workers, and (where the oracle has
     workers to load ahead with) the oracle's config with seamless epochs, the documented way to have them alone:
     ``DataLoaderTuner(max_trials=1, cache=False)`` keeps the loader's config and only measures it."""
-    count = iter(range(1_000_000))
+    count = itertools.count()
 
     def oracle_arm() -> tuple[float, float, str]:
         return (*timed_run(w, oracle, epochs), describe(oracle))

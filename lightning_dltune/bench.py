@@ -432,9 +432,7 @@ def recommend(rows: list[BenchRow], step_ms: float | None) -> tuple[BenchRow, st
     else:
         pool = [r for r in measured if (r.batches_per_s or 0.0) >= 0.95 * best]
         why = "the cheapest within 5% of the best throughput"
-    unmeasured = [
-        LoaderSettings.normalized(r.num_workers, r.prefetch_factor).describe() for r in rows if r not in measured
-    ]
+    unmeasured = [_describe(r) for r in rows if r not in measured]
     if unmeasured:
         why += f"; among the configs measured: {', '.join(unmeasured)} had no rate (see their notes)"
     return min(pool, key=lambda r: (r.num_workers, r.prefetch_factor or 0)), why

@@ -904,9 +904,7 @@ def _outgrown(est: Estimate, cur: LoaderSettings, budget: Budget) -> Decision | 
         return None
     mem = est.memory
     per = memory.worker_bytes(mem, workers, est.mem_life_batches, est.mem_ceiling_bytes or None)
-    grows = f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads" if mem.growth_bytes > 0 else ""
-    if mem.jump_bytes > 0:
-        grows = f", {mem.jump_bytes / MiB:.0f} MiB of it copied in a worker's first batches" + grows
+    grows = memory.growth_words(mem)
     return Decision(
         "settle",
         cur.with_workers(cap),

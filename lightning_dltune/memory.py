@@ -92,11 +92,12 @@ def fit(samples: Sequence[MemorySample]) -> WorkerMemory:
     error = SATURATION_GAIN * _error(best, xs, ys)
     for tau in SATURATIONS:
         fitted = _fit_jump(xs, ys, tau)
-        if fitted is not None and _error(fitted, xs, ys) < error:
+        fitted_error = math.inf if fitted is None else _error(fitted, xs, ys)
+        if fitted is not None and fitted_error < error:
             best = WorkerMemory(
                 fitted.base_bytes, fitted.growth_bytes, peak_worker, peak_total, len(readings), fitted.jump_bytes, tau
             )
-            error = _error(fitted, xs, ys)
+            error = fitted_error
     return best
 
 
@@ -108,19 +109,19 @@ def _fit_jump(xs: Sequence[float], ys: Sequence[float], tau: float) -> WorkerMem
     """``ys = base + growth * xs + jump * (1 - exp(-xs / tau))`` by least squares, ``growth`` and ``jump`` never
     negative (where the pair would have one so, the jump alone); ``None`` where the fit has no jump."""
     zs = [-math.expm1(-x / tau) for x in xs]
-    n, mx, mz, my = len(xs), sum(xs) / len(xs), sum(zs) / len(zs), sum(ys) / len(ys)
+    mx, mz, my = sum(xs) / len(xs), sum(zs) / len(zs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     szz = sum((z - mz) ** 2 for z in zs)
     sxz = sum((x - mx) * (z - mz) for x, z in zip(xs, zs, strict=True))
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     szy = sum((z - mz) * (y - my) for z, y in zip(zs, ys, strict=True))
     det = sxx * szz - sxz**2
-    growth = jump = 0.0
+    growth = -1.0  # the pair's solution, where the two shapes differ enough to have one
     if det > 1e-12 * max(1.0, sxx * szz):
         growth, jump = (szz * sxy - sxz * szy) / det, (sxx * szy - sxz * sxy) / det
-    if growth < 0 or det <= 1e-12 * max(1.0, sxx * szz):
+    if growth < 0:
         growth, jump = 0.0, szy / szz if szz > 0 else 0.0
-    if jump <= 0.01 * abs(my) or n < 3:  # no jump, or none worth a parameter
+    if jump <= 0.01 * abs(my):  # no jump, or none worth a parameter
         return None
     base = max(0.0, my - growth * mx - jump * mz)
     return WorkerMemory(base, growth, jump_bytes=jump, saturation_batches=tau)
@@ -207,13 +208,16 @@ def in_flight_bytes(batch_bytes: float, prefetch: int | None, pin_memory: bool) 
     return batch_bytes * (prefetch or 2)
 
 
+def growth_words(mem: WorkerMemory) -> str:
+    """``", 110 MiB of it copied in a worker's first batches, growing 0.8 MiB per batch it loads"`` ("": neither)."""
+    text = f", {mem.jump_bytes / MiB:.0f} MiB of it copied in a worker's first batches" if mem.jump_bytes > 0 else ""
+    return text + (f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads" if mem.growth_bytes > 0 else "")
+
+
 def describe_growth(mem: WorkerMemory, life_batches: float, workers: int) -> str:
     """``"62 MiB per worker, growing 0.8 MiB per batch it loads"``, for diagnoses."""
-    text = f"{mem.peak_worker_bytes / MiB:.0f} MiB per worker"
-    if mem.jump_bytes > 0:
-        text += f", {mem.jump_bytes / MiB:.0f} MiB of it copied in a worker's first batches"
+    text = f"{mem.peak_worker_bytes / MiB:.0f} MiB per worker" + growth_words(mem)
     if mem.growth_bytes > 0:
-        text += f", growing {mem.growth_bytes / MiB:.2f} MiB per batch it loads"
         end = worker_bytes(mem, workers, life_batches, None) if math.isfinite(life_batches) and workers > 0 else 0.0
         if end > mem.peak_worker_bytes:
             text += f" (to {end / MiB:.0f} MiB by the end of an epoch)"
