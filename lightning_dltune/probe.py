@@ -106,6 +106,7 @@ class MemoryWatch:
         self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
         self._set_rate = 0.0  # ... and per second
         self._fitted_growth = 0.0  # the growth per batch the latest window with enough readings fitted
+        self._first_growth = 0.0  # ... and a fresh worker's, at its start (what a jump adds to it, see fit)
         self.budget_bytes: float | None = None  # the memory budget (set by the budget check)
         self.ceiling_bytes = 0.0  # what one worker can come to hold: the training process's own footprint
         self.flight_bytes = 0.0  # one worker's batches in flight (set by the budget check)
@@ -204,6 +205,7 @@ class MemoryWatch:
         latest = latest_set(readings)
         if len({s.batches for s in latest}) >= 3:  # fewer fit no growth
             self._fitted_growth = fitted.rate(latest[-1].batches / latest[-1].workers)  # per batch, from here on
+            self._first_growth = fitted.rate(0)
         return fitted
 
     def loader_built(self, workers: int) -> None:
@@ -218,7 +220,8 @@ class MemoryWatch:
                 self.latest = None
             self._window += 1
             self._built += 1
-            self._fitted_growth = self.growth_bytes  # what the new workers' growth is taken to be until read
+            # what the new workers' growth is taken to be until read: fresh, they copy their jump again
+            self._fitted_growth = max(self.growth_bytes, self._first_growth)
             self._built_at = self.batches
             start = MemorySample(self._clock(), 0, workers, 0.0, 0.0)
             self._held_from, self._pids = ((start, self.batches) if workers > 0 else None), frozenset()
