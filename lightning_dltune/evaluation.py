@@ -155,8 +155,10 @@ class EvalTuner:
         self._in_pass = False  # the running pass may switch inside (one process, a map-style loader that draws nothing)
         self._done = 0  # batches of the running pass done
         self._pending: LoaderSettings | None = None  # a switch inside the pass, made at the next fetch
+        self._stale = False  # the running pass decided on a switch it ends without: its last steps are not measured
         self.pass_budget: Budget | None = None  # what the running pass's decisions are taken within
         self._rng: tuple[DataLoader, bool, bool, list[tuple[torch.Generator | None, torch.Tensor]]] | None = None
+        self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer", budget: Budget, agree_start: Callable[[str, Any], Any]) -> None:
@@ -183,7 +185,9 @@ class EvalTuner:
             restore()
         self._restores = []
         self.probe.stop()
-        self._user_loader = self._pass_loader = self._rng = None
+        if self._sample_times is not None:
+            self._sample_times.finish()
+        self._user_loader = self._pass_loader = self._rng = self._sample_times = None
 
     def shutdown(self) -> None:
         """Stop the workers of the loop's loaders and of its running iterator now (after a failed run)."""
@@ -272,7 +276,7 @@ class EvalTuner:
     def pass_started(self, trainer: "pl.Trainer", budget: Budget, distributed: bool) -> None:
         """A pass begins, its decisions within ``budget``; on one process (not ``distributed``: every rank would
         have to switch at the same batch) it may switch inside where its loader allows (:meth:`_can_switch_inside`)."""
-        self._done, self._pending, self.pass_budget = 0, None, budget
+        self._done, self._pending, self._stale, self.pass_budget = 0, None, False, budget
         self._in_pass = not distributed and self._can_switch_inside()
         if self._counting:
             self.probe.epoch_started(self._pass_batches())
@@ -305,7 +309,10 @@ class EvalTuner:
             return
         self.probe.step_ended(batch, details=not self.state.done)
         self._done += 1
-        if not (self._in_pass and self.state.tuning and self.pass_budget is not None):
+        if (timing := self._sample_times) is not None:  # the start-up batch, loaded in this process
+            self._sample_times = None
+            self.probe.startup_samples(timing.finish())
+        if not (self._in_pass and self.state.tuning and self.pass_budget is not None) or self._stale:
             return
         now = self.probe.peek()
         if now.steps < self.window_steps and not self.state.judge_early(now, self.pass_budget):
@@ -318,14 +325,25 @@ class EvalTuner:
         change = self.state.apply(decision, stats, self.pass_budget, self._step(trainer))
         self._decided(decision, trainer)
         self._aim(trainer)
-        if change is not None and change.settings != self.state.current and rest > 1:  # one more is fetched already
-            self._log(trainer)  # the steps so far ran on the running config: logged under it
-            self._pending = change.settings
+        if change is not None and change.settings != self.state.current:
+            if rest > 1:  # one more is fetched already
+                self._log(trainer)  # the steps so far ran on the running config: logged under it
+                self._pending = change.settings
+            else:  # the pass ends on the running config: its last steps are no window of the target's
+                self._stale = True
 
     def _before_fetch(self) -> None:
         if self._pending is not None:
             self._switch_inside(self._pending)
         self.probe.fetch_started()
+        guard = _lightning.loop_iterator(self.loop)
+        if self._sample_times is not None:  # a second fetch before the step ended: the times are no one batch's
+            self._sample_times.finish()
+            self._sample_times = None
+        elif self._in_pass and self.probe.startup_next and isinstance(guard, PassGuard):
+            # at 0 workers, sample by sample: the pass's first window can then be judged on its start-up step alone
+            # (`decide.steady_from_the_start`), as the train loader's is
+            self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
 
     def _switch_inside(self, settings: LoaderSettings) -> None:
         """Go on from the batch the pass reached on a loader built with ``settings``."""
@@ -405,7 +423,7 @@ class EvalTuner:
         self.passes += 0 if trainer.sanity_checking else 1
         self._log(trainer)
         ended, before = False, self.state.target
-        if self.state.done:
+        if self.state.done or self._stale:
             self.probe.skip()
         elif self._window_steps(agreement.distributed) >= self.policy.min_steps or left == 0:
             stats = self.probe.close()

@@ -420,3 +420,34 @@ def test_seamless_epochs_go_on_across_validation(tmp_path):
     (tuned, (tuner,)), (untuned, _) = runs
     assert tuned == untuned
     assert tuner.state.current.num_workers > 0 and tuner.switcher.seamless.carried >= 1
+
+
+class LoadedHere(SyntheticDataset):
+    """Records the indices it loads in the main process (a worker's record stays in the worker)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.here = []
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is None:
+            self.here.append(index)
+        return super().__getitem__(index)
+
+
+def test_a_predict_pass_at_0_workers_switches_after_its_first_batch_where_its_samples_show_a_plain_stall(tmp_path):
+    # 16 samples of 20 ms a batch and a 2 ms step: every sample of the first batch waits alike, a stall whose model asks
+    # for more workers than max_workers: the pass switches after that batch (not the second), as the train loader does
+    class Data(pl.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.dataset = LoadedHere(320, latency_ms=20.0)
+
+        def predict_dataloader(self):
+            return DataLoader(self.dataset, batch_size=16)
+
+    tuner, data = DataLoaderTuner(cache=False), Data()  # cache=False: its fingerprint loads samples here too
+    predictions = make_trainer(tmp_path, [tuner], logger=False).predict(EvalModel(), datamodule=data)
+    assert [p.tolist() for p in predictions] == [list(range(i, i + 16)) for i in range(0, 320, 16)]
+    assert data.dataset.here == list(range(16))
+    assert tuner.evals.tuners["predict"].state.trials[1].settings.num_workers > 0
