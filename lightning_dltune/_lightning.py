@@ -822,6 +822,34 @@ def set_loop_reload_epoch(loop: Any, epoch: float | None) -> None:
         loop._last_val_dl_reload_epoch = epoch
 
 
+def validation_epoch(trainer: "pl.Trainer") -> int:
+    """The epoch ``fit``'s validation loop sets its loaders' samplers to at a pass's start."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+
+
+def batches_done(trainer: "pl.Trainer") -> tuple[int, int]:
+    """Training batches done in this epoch and in the whole ``fit``, read in ``on_train_batch_end``."""
+    loop = trainer.fit_loop.epoch_loop
+    return loop.batch_idx + 1, loop.total_batch_idx + 1
+
+
+def reset_ahead(loader: Any, epoch: int) -> bool:
+    """Begin the next pass over ``loader`` now: its sampler set to ``epoch`` (as Lightning's evaluation loop does),
+    its idle persistent iterator reset as the next ``iter(loader)`` would (its workers load the pass's first
+    batches), and that ``iter(loader)`` made to keep it as it is (see :func:`_reset_once_used`). False where the
+    loader holds no persistent iterator with workers."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    iterator = getattr(loader, "_iterator", None)
+    if not will_reuse_iterator(loader) or not isinstance(iterator, _MultiProcessingDataLoaderIter):
+        return False
+    _set_sampler_epoch(loader, epoch)
+    _reset_as_pytorch_does(iterator)
+    type(iterator)._reset(iterator, loader)
+    _reset_once_used(iterator)
+    return True
+
+
 def loop_iterator(loop: Any) -> Any:
     """The iterator ``loop``'s running pass pulls its batches from (``None`` before its pass, or past its loaders)."""
     combined = getattr(loop, "_combined_loader", None)

@@ -281,6 +281,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     ) -> None:
         self.probe.step_ended(batch, details=self.state.phase is not Phase.SETTLED)
         self.switcher.batch_done()
+        self.evals.train_batch_ended(trainer)  # the validation loader may begin its next pass
         self._steps_since_log += 1
         if self._steps_since_log >= max(1, int(getattr(trainer, "log_every_n_steps", 50))):
             self._steps_since_log = 0
@@ -351,8 +352,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
         budget = beside(self.budget, self.evals.held_bytes())  # the evaluation loops' persistent workers
         stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed)
-        failures = self.agreement.failures
-        change = self.state.apply(decision, stats, budget, trainer.global_step, failures)
+        change = self.state.apply(decision, stats, budget, trainer.global_step, failures := self.agreement.failures)
         self.probe.memory.measuring = self.state.probing_memory
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings

@@ -11,6 +11,13 @@ reload schedule is kept). On one process a pass of a map-style loader also switc
 can be judged, going on from the batch its iterator reached (:class:`SkipOnce`). A loop with several loaders is
 measured, not tuned.
 
+Hand-overs: in ``fit``, where the next validation pass begins at a training batch known ahead (its batch-count
+schedule) and its loader holds persistent workers over a sampler that draws nothing, the pass's iterator is reset
+while training runs its last steps before it (:meth:`EvalTuner.start_ahead`, as many steps as the pass's first batch
+took to arrive when last seen in the open, with a margin of :data:`AHEAD`): its workers load the pass's first
+batches meanwhile. Lightning's own reset at the pass's start then keeps that iterator, after setting the sampler's
+epoch to the one set ahead (an iterator set ahead for another epoch is reset again).
+
 The global random state stays as an untuned run leaves it: a pass whose iterator is reset (persistent workers) where
 the user's loader would create one (and draw a base seed) draws that seed; one whose iterator is new where the
 user's would be reset has the draw undone, where its sampler draws nothing (an unshuffled loader; otherwise it is
@@ -19,6 +26,7 @@ said once).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -44,6 +52,7 @@ from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import TuningState
 
 EVAL_LOOPS: tuple[str, ...] = ("val", "test", "predict")
+AHEAD = 1.5  # a pass's first batches begin loading this many times their last measured load time before the pass
 
 
 def loop_name(trainer: "pl.Trainer") -> str | None:
@@ -66,6 +75,21 @@ def passes_left(trainer: "pl.Trainer") -> int | None:
         per = every * batches  # once every `every` epochs
     left = remaining_steps(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
     return None if left is None or math.isinf(per) else int(left // per)
+
+
+def steps_to_validation(trainer: "pl.Trainer") -> int | None:
+    """Training steps ``fit`` runs after the one that just ended before its next validation pass, within this epoch
+    (0: right after it; ``None``: not known, as for a time-based ``val_check_interval`` or an epoch that does not
+    validate)."""
+    per, every = trainer.val_check_batch, trainer.check_val_every_n_epoch
+    if not trainer.enable_validation or not isinstance(per, int) or per <= 0:
+        return None
+    if every is not None and (trainer.current_epoch + 1) % every:
+        return None
+    in_epoch, total = _lightning.batches_done(trainer)
+    steps = -(total if every is None else in_epoch) % per
+    batches = trainer.num_training_batches
+    return None if (isinstance(batches, float) and math.isinf(batches)) or in_epoch + steps > batches else steps
 
 
 class PassGuard(Iterator[Any]):
@@ -159,6 +183,10 @@ class EvalTuner:
         self.pass_budget: Budget | None = None  # what the running pass's decisions are taken within
         self._rng: tuple[DataLoader, bool, bool, list[tuple[torch.Generator | None, torch.Tensor]]] | None = None
         self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
+        self.started_ahead = 0  # passes whose first batches began loading while training ran
+        self.fill_s: float | None = None  # from a pass's iterator request to its first batch, when last seen in full
+        self._reset_at: float | None = None  # when the running pass requested its iterator
+        self._ahead: tuple[float, int] | None = None  # when, and at which sampler epoch, the next pass began early
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer", budget: Budget, agree_start: Callable[[str, Any], Any]) -> None:
@@ -172,6 +200,7 @@ class EvalTuner:
         self.trainer, self.loop = trainer, _lightning.evaluation_loop(trainer, self.name)
         self.probe.start(torch.device("cpu"), log_gpu=False)
         self._switch, self._counting, self._rng, self._pending = False, False, None, None
+        self._ahead = self._reset_at = None
         self._restores = [
             _lightning.install_source_transform(self.loop, self._on_request, self.state.tuner_changed_workers),
             _lightning.wrap_loop_method(self.loop, "reset", self._before_reset, self._after_reset),
@@ -239,7 +268,12 @@ class EvalTuner:
         """A pass creates (or resets) its iterator: its start-up begins, and what it draws is noted."""
         assert self.trainer is not None
         self._counting = True  # a sanity check too: its batches are the loader's first measurement
+        self._reset_at = self.probe.clock()
         loaders = _lightning.loop_loaders(self.loop)
+        if self._ahead is not None and self._ahead[1] != _lightning.validation_epoch(self.trainer):
+            self._ahead = None  # set ahead for another epoch than this pass's: Lightning's reset begins it again
+            for loader in loaders:
+                _lightning.reset_fresh_iterator(loader)
         start, self._rng = self.state.start, None
         if len(loaders) == 1 and isinstance(loaders[0], DataLoader) and start is not None:
             user_new = self._user_new or start.num_workers == 0 or not start.persistent_workers
@@ -299,6 +333,8 @@ class EvalTuner:
         return plain and _lightning.in_order(iterator)
 
     def batch_started(self) -> None:
+        if self._reset_at is not None:  # the pass's first batch arrived
+            self._filled(self.probe.clock() - self._reset_at)
         if self._counting:
             self.probe.step_started()
 
@@ -331,6 +367,32 @@ class EvalTuner:
                 self._pending = change.settings
             else:  # the pass ends on the running config: its last steps are no window of the target's
                 self._stale = True
+
+    def _filled(self, wait_s: float) -> None:
+        """The pass's first batch arrived ``wait_s`` after its iterator was requested: what its loading takes from
+        the start (:attr:`fill_s`) where the pass began in the open, or began early and still waited."""
+        ahead, self._ahead, self._reset_at = self._ahead, None, None
+        if ahead is None:
+            self.fill_s = wait_s
+        elif wait_s > 1e-3:  # the workers began at `ahead[0]`, and the batch came this late after the request
+            self.fill_s = self.probe.clock() - ahead[0]
+
+    def start_ahead(self, trainer: "pl.Trainer", steps: int | None, step_s: float) -> None:
+        """The next pass begins after ``steps`` more training steps of about ``step_s`` each (``None``: unknown): where
+        its first batches (:attr:`fill_s` to load, with a margin of :data:`AHEAD`) would arrive after that, begin
+        the pass now on its loader's persistent workers, where its sampler draws nothing (see the module's
+        docstring)."""
+        if self._ahead is not None or steps is None or steps < 1 or self.fill_s is None or step_s <= 0:
+            return
+        if steps > math.ceil(AHEAD * self.fill_s / step_s):
+            return
+        loaders = _lightning.loop_loaders(self.loop)
+        if len(loaders) != 1 or not isinstance(loaders[0], DataLoader) or not _draws_nothing(loaders[0]):
+            return
+        epoch = _lightning.validation_epoch(trainer)
+        if _lightning.reset_ahead(loaders[0], epoch):
+            self._ahead = (self.probe.clock(), epoch)
+            self.started_ahead += 1
 
     def _before_fetch(self) -> None:
         if self._pending is not None:
@@ -529,7 +591,7 @@ class EvalTuner:
 
     def report(self, budget: Budget | None) -> dict[str, Any]:
         """The loop's section of the report: the train loader's fields, with its passes."""
-        extra = {"passes": self.passes, "settled_step": self.state.settled_step}
+        extra = {"passes": self.passes, "settled_step": self.state.settled_step, "started_ahead": self.started_ahead}
         report = build_report(**self.state.report_content(), budget=budget, series=self.series, extra=extra)
         report.pop("version")
         return report
@@ -568,6 +630,7 @@ class EvalLoaders:
         self.agreement: Any = None
         self.train_held: Callable[[], float] = lambda: 0.0
         self.verbose = True
+        self._train_ends: list[float] = []  # when the last training steps ended (their spacing: a step's time)
 
     def install(
         self,
@@ -587,6 +650,7 @@ class EvalLoaders:
         name = {"fit": "val", "validate": "val"}.get(stage, stage)
         self.restore()
         self.budget, self.agreement, self.train_held, self.verbose = budget, agreement, train_held, verbose
+        self._train_ends = []
         self.running = self.tuners.get(name)
         if self.running is not None:
             self.running.around = around
@@ -637,6 +701,18 @@ class EvalLoaders:
         budget = beside(self.budget, self._held_beside(tuner, trainer))
         if tuner.pass_ended(trainer, budget, self._left(trainer), self.agreement) and self.verbose:
             rank_zero_info(f"DataLoaderTuner {tuner.summary()}\nDiagnosis: {tuner.state.diagnosis}")
+
+    def train_batch_ended(self, trainer: "pl.Trainer") -> None:
+        """A training step ended in ``fit``: the validation loader may begin its next pass now
+        (:meth:`EvalTuner.start_ahead`), given how many steps are left before it and the median of the last steps'
+        spacing (a validation pass between two of them is an outlier the median leaves out)."""
+        tuner = self.running
+        if tuner is None or tuner.name != "val" or trainer.state.fn != "fit":
+            return
+        self._train_ends = [*self._train_ends[-8:], tuner.probe.clock()]
+        spacing = sorted(b - a for a, b in itertools.pairwise(self._train_ends))
+        if spacing:
+            tuner.start_ahead(trainer, steps_to_validation(trainer), spacing[len(spacing) // 2])
 
     def draws_before(self, generator: torch.Generator, epoch: int) -> None:
         """Make on ``generator`` (a copy of the global random state) what ``fit``'s validation pass between train

@@ -1,6 +1,7 @@
 """The evaluation loaders (validation in ``fit`` and ``trainer.validate``, test, predict) are measured and tuned."""
 
 import json
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -451,3 +452,57 @@ def test_a_predict_pass_at_0_workers_switches_after_its_first_batch_where_its_sa
     assert [p.tolist() for p in predictions] == [list(range(i, i + 16)) for i in range(0, 320, 16)]
     assert data.dataset.here == list(range(16))
     assert tuner.evals.tuners["predict"].state.trials[1].settings.num_workers > 0
+
+
+class StampsFirstSample(SyntheticDataset):
+    """Appends to ``path`` the time each load of sample 0 begins, in whatever process loads it."""
+
+    def __init__(self, n, path, **kwargs):
+        super().__init__(n, **kwargs)
+        self.path = str(path)
+
+    def __getitem__(self, index):
+        if index == 0:
+            with open(self.path, "a") as fh:
+                fh.write(f"{time.time()}\n")
+        return super().__getitem__(index)
+
+
+class Ends(pl.Callback):
+    """When each training epoch's last step ended, and when each validation pass ended (its sanity check's too)."""
+
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == trainer.num_training_batches - 1:
+            self.train.append(time.time())
+
+    def on_validation_end(self, trainer, pl_module):
+        self.val.append(time.time())
+
+
+def test_the_validation_workers_load_a_passs_first_batches_while_training_runs(tmp_path):
+    # a validation batch takes 320 ms to load (16 samples of 20 ms), a training epoch 6 steps of about 10 ms: once
+    # the validation loader's persistent workers are the tuner's, each pass begins while the epoch before it trains
+    class Data(EvalData):
+        def __init__(self, path):
+            super().__init__()
+            self.eval_set = StampsFirstSample(64, path, latency_ms=20.0)
+
+    runs, tuner = [], DataLoaderTuner(report_path=False)  # no report is read here
+    for name, callbacks in (("tuned", [tuner]), ("untuned", [])):
+        pl.seed_everything(7)
+        model, ends = EvalModel(), Ends()
+        model.step_ms = 10.0
+        callbacks = [*callbacks, ends]
+        make_trainer(tmp_path, callbacks, max_epochs=4, logger=False).fit(model, datamodule=Data(tmp_path / name))
+        runs.append((model.seen, ends))
+    (tuned, ends), (untuned, _) = runs
+    assert tuned == untuned
+    val = tuner.evals.tuners["val"]
+    assert val.state.current.num_workers > 0 and val.state.current.persistent_workers
+    # pass e loaded its sample 0 ahead where it did so after pass e - 1 ended and before epoch e's last step did
+    loads = [float(t) for t in (tmp_path / "tuned").read_text().split()]
+    ahead = [any(a < t < b for t in loads) for a, b in zip(ends.val, ends.train, strict=False)]
+    assert len(ahead) == 4 and ahead[-2:] == [True, True] and val.started_ahead >= 2, (ahead, val.started_ahead)
