@@ -40,6 +40,7 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
         for attr in ("_data_source", "_combined_loader", "_data_fetcher", "_on_before_fetch", "_on_after_fetch")
     ),
     ("fit_loop.epoch_loop.val_loop", "_last_val_dl_reload_epoch"),
+    ("fit_loop.epoch_progress.current", "processed"),  # the epoch a validation pass sets its samplers to
 )
 # Private parts of the train CombinedLoader: (owner, attribute), the owner being what ``iter(CombinedLoader)`` makes.
 COMBINED_LOADER_PRIVATE: tuple[tuple[str, str], ...] = (
@@ -59,6 +60,7 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_tasks_outstanding"),
     ("_MultiProcessingDataLoaderIter", "_try_put_index"),
     ("_MultiProcessingDataLoaderIter", "_shutdown"),
+    ("_MultiProcessingDataLoaderIter", "_reset"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
 # What a running single-process iterator fetches its batches with (`time_samples`): its attribute, and the fetcher's.
@@ -602,6 +604,23 @@ def serve_carried_iterator(
     # past Lightning's record of attribute changes: a loader rebuilt around the DistributedSampler Lightning injects
     # must not create its iterators from this one
     object.__setattr__(loader, "_get_iterator", get_iterator)
+
+
+def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None:
+    """Make a new iterator of ``loader`` draw its workers' base seed from a copy of the global random state
+    (:func:`~lightning_dltune.switch.apart_from_global`) whenever ``when()`` says so; a later call replaces
+    ``when``. The patch holds the loader weakly (a reference cycle would keep its persistent workers alive until a
+    garbage collection)."""
+    if "_dltune_apart" not in loader.__dict__:
+        get, ref = type(loader)._get_iterator, weakref.ref(loader)
+
+        def get_iterator() -> Iterator[Any]:
+            dl: Any = ref()
+            create = lambda: get(dl)  # noqa: E731
+            return apart_from_global(dl, create) if dl.__dict__["_dltune_apart"]() else create()
+
+        object.__setattr__(loader, "_get_iterator", get_iterator)  # past Lightning's record, as above
+    object.__setattr__(loader, "_dltune_apart", when)
 
 
 def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:

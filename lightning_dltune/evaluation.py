@@ -8,8 +8,9 @@ pass's first batch, with the creation of its iterator, is its start-up), pools p
 (:class:`~lightning_dltune.state.TuningState`), over the batches of the passes left. A switch takes effect at the
 next pass: its loader is rebuilt from the user's last one (the user's hook is not called for it, and Lightning's
 reload schedule is kept). On one process a pass of a map-style loader also switches inside, as soon as its window
-can be judged, going on from the batch its iterator reached (:class:`SkipOnce`). A loop with several loaders is
-measured, not tuned.
+can be judged, going on from the batch its iterator reached (:class:`SkipOnce`). A loop with several loaders (a list,
+tuple or dict of them, which Lightning runs one after the other) gets one config for all of them: their persistent
+workers are alive together, so the loop's share of the memory budget is split between them.
 
 Hand-overs: in ``fit``, where the next validation pass begins at a training batch known ahead (its batch-count
 schedule) and its loader holds persistent workers over a sampler that draws nothing, the pass's iterator is reset
@@ -18,10 +19,12 @@ took to arrive when last seen in the open, with a margin of :data:`AHEAD`): its 
 batches meanwhile. Lightning's own reset at the pass's start then keeps that iterator, after setting the sampler's
 epoch to the one set ahead (an iterator set ahead for another epoch is reset again).
 
-The global random state stays as an untuned run leaves it: a pass whose iterator is reset (persistent workers) where
-the user's loader would create one (and draw a base seed) draws that seed; one whose iterator is new where the
-user's would be reset has the draw undone, where its sampler draws nothing (an unshuffled loader; otherwise it is
-said once).
+The global random state stays as an untuned run leaves it: at a pass's start, each loader whose persistent iterator
+is reset where the user's loader would create one (and draw a base seed) draws that seed; a new iterator of the
+tuner's loader where the user's loader would reset its own draws its seed from a copy of the global state
+(``switch.apart_from_global``), so the global state and the loader's generator are left as the user's reset leaves
+them. With several loaders, the seeds of the later ones are drawn at the pass's start, not as Lightning reaches
+them (the same state after the pass, where the steps draw nothing from it between).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from lightning_dltune.probe import Probe
 from lightning_dltune.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import TuningState
+from lightning_dltune.switch import apart_from_global
 
 EVAL_LOOPS: tuple[str, ...] = ("val", "test", "predict")
 AHEAD = 1.5  # a pass's first batches begin loading this many times their last measured load time before the pass
@@ -174,6 +178,7 @@ class EvalTuner:
         self._switch = False  # the next request is the tuner's: the user's last loader is rebuilt
         self._reload_epoch: float | None = None  # Lightning's reload epoch, kept across the tuner's requests
         self._user_new = False  # Lightning asked the user's hook since the last pass: its iterator would be new
+        self._user_resets = False  # in the running pass, the user's loaders would reset their iterators
         self._counting = False  # the running pass is measured
         self._pass_loader: DataLoader | None = None  # the loader the running pass iterates (until a switch in it)
         self._in_pass = False  # the running pass may switch inside (one process, a map-style loader that draws nothing)
@@ -181,7 +186,7 @@ class EvalTuner:
         self._pending: LoaderSettings | None = None  # a switch inside the pass, made at the next fetch
         self._stale = False  # the running pass decided on a switch it ends without: its last steps are not measured
         self.pass_budget: Budget | None = None  # what the running pass's decisions are taken within
-        self._rng: tuple[DataLoader, bool, bool, list[tuple[torch.Generator | None, torch.Tensor]]] | None = None
+        self._draws: list[DataLoader] = []  # loaders that draw the base seed the user's would, after the reset
         self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
         self.started_ahead = 0  # passes whose first batches began loading while training ran
         self.fill_s: float | None = None  # from a pass's iterator request to its first batch, when last seen in full
@@ -199,7 +204,7 @@ class EvalTuner:
         self.state.begin_fit()
         self.trainer, self.loop = trainer, _lightning.evaluation_loop(trainer, self.name)
         self.probe.start(torch.device("cpu"), log_gpu=False)
-        self._switch, self._counting, self._rng, self._pending = False, False, None, None
+        self._switch, self._counting, self._draws, self._pending = False, False, [], None
         self._ahead = self._reset_at = None
         self._restores = [
             _lightning.install_source_transform(self.loop, self._on_request, self.state.tuner_changed_workers),
@@ -216,7 +221,8 @@ class EvalTuner:
         self.probe.stop()
         if self._sample_times is not None:
             self._sample_times.finish()
-        self._user_loader = self._pass_loader = self._rng = self._sample_times = None
+        self._user_loader = self._pass_loader = self._sample_times = None
+        self._draws = []
 
     def shutdown(self) -> None:
         """Stop the workers of the loop's loaders and of its running iterator now (after a failed run)."""
@@ -239,30 +245,46 @@ class EvalTuner:
         switch, self._switch = self._switch, False
         if switch and self._user_loader is not None:
             _lightning.set_loop_reload_epoch(self.loop, self._reload_epoch)  # the request was the tuner's
-            loader = self._user_loader
+            requested = self._user_loader
         else:
-            loader = self._user_loader = original()
+            requested = self._user_loader = original()
             self._user_new = True
-        if not isinstance(loader, DataLoader):
-            self._measure_only(f"it is a {type(loader).__name__}, not one `torch.utils.data.DataLoader`")
-            return loader
-        current = LoaderSettings.from_loader(loader)
-        if self.state.loader_seen(current) and self.budget is not None:
-            assert self.trainer is not None
-            hit = self.cache.start(self.state, loader, self.budget.cpus, self.trainer, self.limits, self._agree_start)
-            if hit is not None:
-                rank_zero_info(f"DataLoaderTuner: the {self.name} loader starts from cached settings {hit.describe()}.")
-        if isinstance(loader.dataset, IterableDataset) and not self.tune_iterable:
+        loaders = dataloaders_in(requested)
+        if not loaders:
+            self._measure_only(f"it is a {type(requested).__name__}, not `torch.utils.data.DataLoader`s")
+            return requested
+        settings = {LoaderSettings.from_loader(loader) for loader in loaders}
+        if len(settings) > 1:
+            self._measure_only("its loaders have different settings")
+            return requested
+        (current,) = settings
+        self._start_from_cache(current, loaders)
+        if any(isinstance(loader.dataset, IterableDataset) for loader in loaders) and not self.tune_iterable:
             self._measure_only("its dataset is an IterableDataset (see `tune_iterable`)")
         target = self.state.target if self.state.switching else None
         if target is not None and target != current:
             try:
-                loader = _lightning.rebuild_dataloader(loader, target.to_loader_kwargs(), quiet=True)
+                requested = with_each_dataloader(requested, lambda loader: self._build(loader, target))
             except _lightning.NotRebuildableError as ex:
                 self._measure_only(f"it cannot be rebuilt ({ex})")
-        self.state.current = LoaderSettings.from_loader(loader)
+        self.state.current = LoaderSettings.from_loader(dataloaders_in(requested)[0])
         self.probe.loader_built(self.state.current.num_workers)
-        return loader
+        return requested
+
+    def _start_from_cache(self, current: LoaderSettings, loaders: list[DataLoader]) -> None:
+        """On the loop's first loader, start from the cached settings where there are some (the key counts the
+        loaders where there are several)."""
+        if not self.state.loader_seen(current) or self.budget is None:
+            return
+        assert self.trainer is not None
+        limits = self.limits if len(loaders) == 1 else {**self.limits, "loaders": len(loaders)}
+        hit = self.cache.start(self.state, loaders[0], self.budget.cpus, self.trainer, limits, self._agree_start)
+        if hit is not None:
+            rank_zero_info(f"DataLoaderTuner: the {self.name} loader starts from cached settings {hit.describe()}.")
+
+    @staticmethod
+    def _build(loader: DataLoader, settings: LoaderSettings, **overrides: Any) -> DataLoader:
+        return _lightning.rebuild_dataloader(loader, {**settings.to_loader_kwargs(), **overrides}, quiet=True)
 
     def _before_reset(self) -> None:
         """A pass creates (or resets) its iterator: its start-up begins, and what it draws is noted."""
@@ -274,43 +296,37 @@ class EvalTuner:
             self._ahead = None  # set ahead for another epoch than this pass's: Lightning's reset begins it again
             for loader in loaders:
                 _lightning.reset_fresh_iterator(loader)
-        start, self._rng = self.state.start, None
-        if len(loaders) == 1 and isinstance(loaders[0], DataLoader) and start is not None:
-            user_new = self._user_new or start.num_workers == 0 or not start.persistent_workers
-            new = not _lightning.will_reuse_iterator(loaders[0])
-            self._rng = (loaders[0], user_new, new, _base_seed_states(loaders[0]))
+        start, self._draws = self.state.start, []
+        if start is not None and all(isinstance(loader, DataLoader) for loader in loaders):
+            self._user_resets = not (self._user_new or start.num_workers == 0 or not start.persistent_workers)
+            limits = getattr(self.loop, "max_batches", [1] * len(loaders))
+            reused = [dl for dl, n in zip(loaders, limits, strict=False) if n and _lightning.will_reuse_iterator(dl)]
+            self._draws = [] if self._user_resets else reused
+            for loader in loaders:  # as Lightning processed them (a distributed sampler injected, say)
+                _lightning.create_iterators_apart(loader, lambda: self._user_resets)
         self._user_new = False
-        if self.state.tuner_changed_workers() and len(loaders) == 1:  # the count is the tuner's, and measured
-            _lightning.quiet_worker_check(loaders[0])
+        if self.state.tuner_changed_workers():  # the count is the tuner's, and measured
+            for loader in loaders:
+                _lightning.quiet_worker_check(loader)
         self.probe.loader_requested()
 
     def _after_reset(self) -> None:
-        """Guard the pass's iterator (:class:`PassGuard`), and leave the random state as the user's loader would have
-        (see the module's docstring)."""
+        """Guard the pass's iterator (:class:`PassGuard`), and draw the base seeds the user's loaders would have
+        drawn (see the module's docstring)."""
         loaders = _lightning.loop_loaders(self.loop)
         self._pass_loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
         iterator = _lightning.loop_iterator(self.loop)
         if self._pass_loader is not None and iterator is not None:
             _lightning.replace_loop_iterator(self.loop, PassGuard(iterator, self._recover))
-        if self._rng is None:
-            return
-        (loader, user_new, new, saved), self._rng = self._rng, None
-        if user_new and not new:
+        draws, self._draws = self._draws, []
+        for loader in draws:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-        elif new and not user_new and _draws_nothing(loader):
-            _put_back(saved)
-        elif new and not user_new:
-            info_once(
-                f"eval-{self.name}-rng",
-                f"DataLoaderTuner: the {self.name} loader shuffles and was switched: this pass drew one random number "
-                "more than a run without the tuner would have.",
-            )
 
     # --- the loop's events ----------------------------------------------------------------------------------
     def pass_started(self, trainer: "pl.Trainer", budget: Budget, distributed: bool) -> None:
         """A pass begins, its decisions within ``budget``; on one process (not ``distributed``: every rank would
         have to switch at the same batch) it may switch inside where its loader allows (:meth:`_can_switch_inside`)."""
-        self._done, self._pending, self._stale, self.pass_budget = 0, None, False, budget
+        self._done, self._pending, self._stale, self.pass_budget = 0, None, False, self._per_loader(budget)
         self._in_pass = not distributed and self._can_switch_inside()
         if self._counting:
             self.probe.epoch_started(self._pass_batches())
@@ -431,13 +447,12 @@ class EvalTuner:
         # from the user's loader: Lightning's own rebuild of it (the prediction loop's) may not be rebuilt again
         user = self._user_loader if isinstance(self._user_loader, DataLoader) else old
         try:
-            new = _lightning.rebuild_dataloader(user, {**settings.to_loader_kwargs(), **overrides}, quiet=True)
+            new = self._build(user, settings, **overrides)
         except _lightning.NotRebuildableError as ex:
             self._measure_only(f"it cannot be rebuilt inside a pass ({ex})")
             return False
-        saved = _base_seed_states(new)
-        fresh = self.probe.build_loader(lambda: iter(new))
-        _put_back(saved)  # a new iterator draws a base seed the user's running one did not
+        # the user's running iterator drew its base seed already
+        fresh = self.probe.build_loader(lambda: apart_from_global(new, lambda: iter(new)))
         _lightning.shutdown_iterator(iterator)
         if keeps:  # the old loader's persistent workers are not needed again
             _lightning.shutdown_workers(old)
@@ -491,8 +506,8 @@ class EvalTuner:
             stats = self.probe.close()
             remaining = None if left is None else int(left * self._pass_batches())
             choose = lambda s, b, failed: self.state.decide(s, b, remaining, failed)  # noqa: E731
-            stats, budget, decision = agreement.decide(stats, budget, choose, self.state.unagreed)
-            self.state.apply(decision, stats, budget, self._step(trainer), agreement.failures)
+            stats, shared, decision = agreement.decide(stats, self._per_loader(budget), choose, self.state.unagreed)
+            self.state.apply(decision, stats, shared, self._step(trainer), agreement.failures)
             ended = self._decided(decision, trainer)
             self._aim(trainer)
         if not agreement.distributed:
@@ -507,9 +522,17 @@ class EvalTuner:
         on it; under DDP, where the agreed target changed (Lightning's request waits for every rank, and a rank that
         recovered from a dead worker serves another config than the others)."""
         target, loaders = self.state.target, _lightning.loop_loaders(self.loop)
-        if target is None or len(loaders) != 1:
+        if target is None or not loaders or not all(isinstance(loader, DataLoader) for loader in loaders):
             return False
-        return target != before if distributed else LoaderSettings.from_loader(loaders[0]) != target
+        return target != before if distributed else any(LoaderSettings.from_loader(dl) != target for dl in loaders)
+
+    def _per_loader(self, budget: Budget) -> Budget:
+        """``budget`` as one of the loop's loaders sees it: where there are several and their workers are persistent
+        (alive together), each gets an equal share of its memory."""
+        loaders, settings = len(dataloaders_in(self._user_loader)), self.state.target or self.state.current
+        if loaders <= 1 or budget.memory_bytes is None or settings is None or not settings.persistent_workers:
+            return budget
+        return replace(budget, memory_bytes=budget.memory_bytes / loaders)
 
     def _keep_persistent_within(self, budget: Budget) -> None:
         """Persistent workers stay alive while the other loops run: where what they hold does not fit the memory the
@@ -565,26 +588,29 @@ class EvalTuner:
         for logger in trainer.loggers if trainer.is_global_zero else []:
             logger.log_metrics(named, step=step)
 
-    def draws_global_base_seed(self, trainer: "pl.Trainer", epoch: int) -> bool:
-        """Whether the validation pass after train epoch ``epoch - 1`` draws a base seed from the global random state
-        in a run without the tuner, and nothing else from it: the user's loader creates an iterator for it (it has no
-        persistent workers, or Lightning asks the hook for a new loader then), has no generator, and its sampler draws
-        nothing. ``False`` also where that is not known (no validation seen yet, no ``check_val_every_n_epoch``)."""
-        start, user, every = self.state.start, self._user_loader, trainer.check_val_every_n_epoch
-        if start is None or not isinstance(user, DataLoader) or every is None or epoch % every:
-            return False
-        if user.generator is not None or not _draws_nothing(user):
-            return False
+    def global_base_seed_draws(self, trainer: "pl.Trainer", epoch: int) -> int:
+        """How many base seeds the validation pass after train epoch ``epoch - 1`` draws from the global random state
+        in a run without the tuner, where that is all it draws from it: one for each of the user's loaders that
+        creates an iterator for it (none has persistent workers, or Lightning asks the hook for new loaders then)
+        and has no generator, where no sampler draws. 0 also where that is not known (no validation seen yet, no
+        ``check_val_every_n_epoch``)."""
+        start, users, every = self.state.start, dataloaders_in(self._user_loader), trainer.check_val_every_n_epoch
+        if start is None or not users or every is None or epoch % every or not all(map(_draws_nothing, users)):
+            return 0
         reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))  # a new loader: a new iterator
-        return start.num_workers == 0 or not start.persistent_workers or reloads
+        if start.num_workers and start.persistent_workers and not reloads:
+            return 0
+        return sum(user.generator is None for user in users)
 
     # --- results --------------------------------------------------------------------------------------------
     def held_bytes(self) -> float:
-        """What this loop's persistent workers hold while other loops run (0 without them)."""
+        """What this loop's persistent workers hold while other loops run, those of each of its loaders (0 without
+        them)."""
         current = self.state.current
         if current is None or not current.persistent_workers or not _lightning.loop_worker_pids(self.loop):
             return 0.0
-        return self.probe.held_bytes(current)
+        alive = sum(map(_lightning.will_reuse_iterator, _lightning.loop_loaders(self.loop)))
+        return max(1, alive) * self.probe.held_bytes(current)
 
     def summary(self) -> str:
         return f"[{self.name}] {self.state.headline()}\n{summary_table(self.state.trials, self.state.result)}"
@@ -597,19 +623,20 @@ class EvalTuner:
         return report
 
 
-def _put_back(saved: list[tuple[torch.Generator | None, torch.Tensor]]) -> None:
-    """Put back the states :func:`_base_seed_states` saved (``None``: the global one)."""
-    for generator, state in saved:
-        if generator is None:
-            torch.set_rng_state(state)
-        else:
-            generator.set_state(state)
+def dataloaders_in(loaders: Any) -> list[DataLoader]:
+    """The ``DataLoader``s a loader hook returned: one, or a list, tuple or dict of them (``[]`` for anything else)."""
+    found = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    found = list(found) if isinstance(found, (list, tuple)) else [found]
+    return found if found and all(isinstance(loader, DataLoader) for loader in found) else []
 
 
-def _base_seed_states(loader: DataLoader) -> list[tuple[torch.Generator | None, torch.Tensor]]:
-    """The states a new iterator's base seed is drawn from: the loader's generator, or the global one."""
-    generator = loader.generator
-    return [(None, torch.get_rng_state())] if generator is None else [(generator, generator.get_state())]
+def with_each_dataloader(loaders: Any, build: Callable[[DataLoader], DataLoader]) -> Any:
+    """``loaders`` (see :func:`dataloaders_in`) with each ``DataLoader`` replaced by ``build(it)``."""
+    if isinstance(loaders, dict):
+        return {key: build(loader) for key, loader in loaders.items()}
+    if isinstance(loaders, (list, tuple)):
+        return type(loaders)(build(loader) for loader in loaders)
+    return build(loaders)
 
 
 class EvalLoaders:
@@ -717,13 +744,13 @@ class EvalLoaders:
     def draws_before(self, generator: torch.Generator, epoch: int) -> None:
         """Make on ``generator`` (a copy of the global random state) what ``fit``'s validation pass between train
         epochs ``epoch - 1`` and ``epoch`` draws from the global state in a run without the tuner (see
-        :meth:`EvalTuner.draws_global_base_seed`): seamless epochs draw the next epoch's order ahead from that copy, and
+        :meth:`EvalTuner.global_base_seed_draws`): seamless epochs draw the next epoch's order ahead from that copy, and
         the epoch's start checks it against the real state, whatever ran."""
         tuner = self.running
         trainer = None if tuner is None else tuner.trainer
         if tuner is None or tuner.name != "val" or trainer is None or trainer.state.fn != "fit":
             return
-        if tuner.draws_global_base_seed(trainer, epoch):
+        for _ in range(tuner.global_base_seed_draws(trainer, epoch)):
             torch.empty((), dtype=torch.int64).random_(generator=generator)
 
     def held_bytes(self) -> float:

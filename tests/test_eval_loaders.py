@@ -29,8 +29,8 @@ class EvalModel(SimulatedModel):
         self.seen["train"].append(batch[2].tolist())
         return super().training_step(batch, batch_idx)
 
-    def validation_step(self, batch, batch_idx):
-        self.seen["val"].append(batch[2].tolist())
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.seen["val"].append((dataloader_idx, batch[2].tolist()) if dataloader_idx else batch[2].tolist())
 
     def test_step(self, batch, batch_idx):
         self.seen["test"].append(batch[2].tolist())
@@ -506,3 +506,94 @@ def test_the_validation_workers_load_a_passs_first_batches_while_training_runs(t
     loads = [float(t) for t in (tmp_path / "tuned").read_text().split()]
     ahead = [any(a < t < b for t in loads) for a, b in zip(ends.val, ends.train, strict=False)]
     assert len(ahead) == 4 and ahead[-2:] == [True, True] and val.started_ahead >= 2, (ahead, val.started_ahead)
+
+
+class TwoValidationSets(EvalData):
+    """Two validation loaders, as a list (Lightning runs them one after the other)."""
+
+    def __init__(self):
+        super().__init__(val=64)
+        self.other_set = SyntheticDataset(48, latency_ms=4.0)
+
+    def val_dataloader(self):
+        return [super().val_dataloader(), DataLoader(self.other_set, batch_size=16, **self.loader_kwargs)]
+
+
+class Shares(pl.Callback):
+    """At each validation pass's end (after the tuner's): what the loop's workers hold, what one loader's hold,
+    the memory one loader's decisions were taken within, and the tuner's whole memory budget."""
+
+    def __init__(self, tuner):
+        self.tuner, self.seen = tuner, []
+
+    def on_validation_end(self, trainer, pl_module):
+        val = self.tuner.evals.tuners["val"]
+        if not trainer.sanity_checking and val.state.current.num_workers:
+            one = val.probe.held_bytes(val.state.current)
+            self.seen.append((val.held_bytes(), one, val.pass_budget.memory_bytes, self.tuner.budget.memory_bytes))
+
+
+def described(tuner):
+    return [(t.settings.describe(), t.stats.steps, t.decision) for t in tuner.state.trials]
+
+
+def test_several_validation_loaders_get_one_config_and_share_one_memory_cap(tmp_path):
+    runs, tuner = [], DataLoaderTuner(report_path=False)  # no report is read here
+    shares = Shares(tuner)
+    for callbacks in ([tuner, shares], []):
+        pl.seed_everything(7)
+        after, model = RandomState(), EvalModel()
+        trainer = make_trainer(tmp_path, [*callbacks, after], max_epochs=3, logger=False)
+        trainer.fit(model, datamodule=TwoValidationSets())
+        runs.append((model.seen, after.states, trainer.val_dataloaders))
+    (tuned, tuned_states, loaders), (untuned, untuned_states, _) = runs
+    # the same batches in the same order, and the same global random state after every pass (the train loader
+    # shuffles from it): the tuner's persistent workers are reset where the user's loaders draw a seed at each pass
+    assert tuned == untuned
+    assert all(torch.equal(a, b) for a, b in zip(tuned_states, untuned_states, strict=True))
+    val = tuner.evals.tuners["val"]
+    assert val.state.current.num_workers > 0 and val.state.current.persistent_workers
+    assert [loader.num_workers for loader in loaders] == [val.state.current.num_workers] * 2
+    # both loaders' workers are alive together: counted twice, and each loader decides within half the memory
+    assert shares.seen, described(val)
+    held, one, share, memory = shares.seen[-1]
+    assert one > 0 and held == pytest.approx(2 * one)
+    assert share <= memory / 2
+
+
+def test_a_switch_from_the_users_persistent_workers_leaves_the_random_state_as_their_reset_does(tmp_path):
+    # the user's validation workers are persistent: each pass resets them, drawing nothing from the global random
+    # state; the tuner's new loader (built inside the sanity check, as the loader is served in order) creates an
+    # iterator, which draws its base seed from a copy.
+    # cache=False: a cached config would serve from the sanity check on, where the user's loader creates its first
+    # iterator too; report_path=False: no report is read here
+    runs = []
+    for callbacks in ([DataLoaderTuner(cache=False, report_path=False)], []):
+        pl.seed_everything(7)
+        after, model = RandomState(), EvalModel()
+        trainer = make_trainer(tmp_path, [*callbacks, after], max_epochs=3, logger=False)
+        trainer.fit(model, datamodule=EvalData(num_workers=1, persistent_workers=True))
+        runs.append((model.seen, after.states, trainer.val_dataloaders.num_workers))
+    (tuned, tuned_states, workers), (untuned, untuned_states, _) = runs
+    assert workers > 1  # the tuner's count
+    assert tuned == untuned
+    assert all(torch.equal(a, b) for a, b in zip(tuned_states, untuned_states, strict=True))
+
+
+def test_a_new_iterator_created_apart_draws_nothing_from_the_global_random_state():
+    """Between passes the tuner's rebuilt loader creates its iterator apart from the global state where the user's
+    loader would reset its own (``_lightning.create_iterators_apart``); otherwise as PyTorch does, drawing a seed."""
+    from lightning_dltune import _lightning
+
+    apart = [True]
+    loader = DataLoader(SyntheticDataset(8), batch_size=4, num_workers=1)
+    _lightning.create_iterators_apart(loader, lambda: apart[0])
+    before = torch.get_rng_state()
+    assert [b[2].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert torch.equal(torch.get_rng_state(), before)
+    apart[0] = False
+    torch.empty((), dtype=torch.int64).random_()  # the one draw a new iterator makes
+    expected = torch.get_rng_state()
+    torch.set_rng_state(before)
+    list(loader)
+    assert torch.equal(torch.get_rng_state(), expected)

@@ -25,6 +25,42 @@ def test_private_attribute_exists(path, attr):
     )
 
 
+def test_the_evaluation_loop_sets_its_samplers_epoch_as_reset_ahead_does(tmp_path):
+    """``_lightning.reset_ahead`` sets a validation loader's sampler epoch before the pass as the loop's reset does:
+    to ``_lightning.validation_epoch``, read in the training steps before the pass."""
+    from torch.utils.data import SequentialSampler
+
+    from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+
+    class Recorded(SequentialSampler):
+        epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    class Model(SimulatedModel):
+        read = []
+
+        def on_train_batch_end(self, *args):
+            self.read.append(_lightning.validation_epoch(self.trainer))
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def train_dataloader(self):
+            return DataLoader(SyntheticDataset(8), batch_size=4)
+
+        def val_dataloader(self):
+            dataset = SyntheticDataset(4)
+            return DataLoader(dataset, batch_size=4, sampler=Recorded(dataset))
+
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_epochs=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False
+    )
+    trainer.fit(Model(step_ms=0))
+    assert Recorded.epochs == [0, 1] and Model.read == [0, 0, 1, 1]
+
+
 def test_rebuild_helpers_keep_their_signatures():
     params = inspect.signature(fabric_data._get_dataloader_init_args_and_kwargs).parameters
     assert list(params)[:2] == ["dataloader", "sampler"]
