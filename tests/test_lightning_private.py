@@ -32,17 +32,15 @@ def test_the_evaluation_loop_sets_its_samplers_epoch_as_reset_ahead_does(tmp_pat
 
     from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
 
-    class Recorded(SequentialSampler):
-        epochs = []
+    epochs, read = [], []
 
+    class Recorded(SequentialSampler):
         def set_epoch(self, epoch):
-            self.epochs.append(epoch)
+            epochs.append(epoch)
 
     class Model(SimulatedModel):
-        read = []
-
         def on_train_batch_end(self, *args):
-            self.read.append(_lightning.validation_epoch(self.trainer))
+            read.append(_lightning.validation_epoch(self.trainer))
 
         def validation_step(self, batch, batch_idx):
             pass
@@ -58,7 +56,7 @@ def test_the_evaluation_loop_sets_its_samplers_epoch_as_reset_ahead_does(tmp_pat
         default_root_dir=tmp_path, max_epochs=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False
     )
     trainer.fit(Model(step_ms=0))
-    assert Recorded.epochs == [0, 1] and Model.read == [0, 0, 1, 1]
+    assert epochs == [0, 1] and read == [0, 0, 1, 1]
 
 
 def test_rebuild_helpers_keep_their_signatures():
