@@ -14,11 +14,16 @@ best of which is the oracle. Whole-run wall times, medians over the rounds; each
 
     python benchmarks/evaluation.py                 # writes benchmarks/results/evaluation.json
     python benchmarks/evaluation.py --write-md      # ... and its section of BENCHMARKS.md
+    python benchmarks/evaluation.py --render --write-md   # the section again from the JSON, without running
+
+The issue's target for every workload: the tuned whole run at most 1.10x the oracle's, judged by ``run.verdict``'s
+rule on the paired runs' 95% interval.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,9 +39,11 @@ from torch.utils.data import DataLoader
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
 
+from run import ratio_interval, verdict
 from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
+TARGET = 1.10  # the issue's: the tuned whole run at most 1.10x the best static config's
 
 
 class TwoLoaders(pl.LightningDataModule):
@@ -140,13 +147,23 @@ def main() -> int:
     parser.add_argument("--latency-ms", type=float, default=10.0)
     parser.add_argument("--static", default="8,12,16", help="worker counts of the static configs set by hand")
     parser.add_argument("--write-md", action="store_true")
+    parser.add_argument("--render", action="store_true", help="render the JSON of the last run, run nothing")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     cpus = len(os.sched_getaffinity(0))
     thumb = f"workers={min(8, max(1, cpus // 2))}"
     arms = list(dict.fromkeys(["default", "tuned", thumb, *(f"workers={w}" for w in args.static.split(","))]))
     sections, results = [], {}
+    if args.render:
+        results = json.loads((HERE / "results" / "evaluation.json").read_text())
+        args.workloads = ",".join(results)
     for workload in args.workloads.split(","):
+        if args.render:
+            saved = results[workload]
+            walls, configs = saved["walls"], saved["configs"]
+            edges = {a: [tuple(e) for e in v] for a, v in saved["boundary_ms"].items()}
+            sections.append(table(workload, arms, thumb, walls, configs, edges, args, cpus))
+            continue
         walls: dict[str, list[float]] = {a: [] for a in arms}
         configs: dict[str, list[str]] = {a: [] for a in arms}
         edges: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
@@ -161,7 +178,8 @@ def main() -> int:
         results[workload] = {"walls": walls, "configs": configs, "boundary_ms": edges}
         sections.append(table(workload, arms, thumb, walls, configs, edges, args, cpus))
         print(sections[-1])
-    write_results(HERE / "results", "evaluation.json", results)
+    if not args.render:
+        write_results(HERE / "results", "evaluation.json", results)
     if args.write_md:
         write_section("evaluation", "### Evaluation loaders (issue 36)\n\n" + "\n\n".join(sections))
     return 0
@@ -208,6 +226,12 @@ def table(
             f"| {label} | {median:.2f} | {median / statistics.median(walls[oracle]):.2f}x "
             f"| {min(ratios):.2f}-{max(ratios):.2f}x | {', '.join(configs[arm])} |{hand}"
         )
+    tuned = ratio_interval(walls["tuned"], walls[oracle])
+    lines += [
+        "",
+        f"Tuned against the oracle, paired: {tuned['ratio']:.2f}x (95% interval {tuned['ratio_low']:.2f}-"
+        f"{tuned['ratio_high']:.2f}x): {verdict(tuned, TARGET)} (the issue's target).",
+    ]
     if fit:
         lines += [
             "",

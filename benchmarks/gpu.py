@@ -1,7 +1,9 @@
 """GPU benchmark: a real small CNN on the GPU, fed by a CPU-decoded image dataset, in one process.
 
-The same model trains the same epochs with the PyTorch default (0 workers), the half-the-cores rule of thumb,
-every config of a static grid (the best of which is the oracle) and DataLoaderTuner starting from 0 workers.
+The same model trains the same epochs, validating after each on a set of its own (``--val-steps`` batches, as
+Lightning does by default; 0: none), with the PyTorch default (0 workers), the half-the-cores rule of thumb, every
+config of a static grid set on both loaders (the best of which is the oracle) and DataLoaderTuner starting from 0
+workers on both.
 Whole-run time (``trainer.fit`` wall time, worker start-up and tuning included) is reported as a ratio to the
 oracle, with the GPU utilization NVML saw during each run and the stall the GPU saw (CUDA events) for the
 tuner's first and settled configs.
@@ -75,17 +77,19 @@ class SmallCNN(pl.LightningModule):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
 def fit_once(args: argparse.Namespace, workers: int, tuner: DataLoaderTuner | None) -> dict[str, Any]:
-    loader = DataLoader(
-        DecodedImages(args.steps * args.batch, cpu_ms=args.cpu_ms),
-        batch_size=args.batch,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
+    kwargs = {"batch_size": args.batch, "num_workers": workers, "persistent_workers": workers > 0}
+    loader = DataLoader(DecodedImages(args.steps * args.batch, cpu_ms=args.cpu_ms), shuffle=True, **kwargs)
+    val = (
+        DataLoader(DecodedImages(args.val_steps * args.batch, cpu_ms=args.cpu_ms), **kwargs) if args.val_steps else None
     )
     trainer = pl.Trainer(
         accelerator=args.device,
@@ -99,7 +103,7 @@ def fit_once(args: argparse.Namespace, workers: int, tuner: DataLoaderTuner | No
     )
     sampler, _ = open_sampler(0) if args.device == "cuda" else (None, "")
     t0 = time.perf_counter()
-    trainer.fit(SmallCNN(), train_dataloaders=loader)
+    trainer.fit(SmallCNN(), train_dataloaders=loader, val_dataloaders=val)
     seconds = time.perf_counter() - t0
     util = None
     if sampler is not None:
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="steps per epoch (long enough to tune in-epoch)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--cpu-ms", type=float, default=0.1, help="CPU decode time per image")
+    parser.add_argument("--val-steps", type=int, default=40, help="validation batches after each epoch (0: none)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -127,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     cpus = cpu_budget().cpus
     grid = [0, 2] if args.quick else sorted({0, 2, 4, 8, 12, 16, int(cpus)} & set(range(int(cpus) + 1)))
     if args.quick:
-        args.epochs, args.steps = 2, 8
+        args.epochs, args.steps, args.val_steps = 2, 8, min(args.val_steps, 4)
     thumb = max(1, min(8, int(cpus) // 2))
     grid = sorted(set(grid) | {thumb})
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
     print(
         f"GPU benchmark on {name}: small CNN, {args.batch} images of 3x64x64 per step, {args.cpu_ms} ms CPU "
-        f"decode per image, {args.epochs} epochs x {args.steps} steps, {cpus:g} CPUs",
+        f"decode per image, {args.epochs} epochs x {args.steps} steps, validation {args.val_steps} steps after each, "
+        f"{cpus:g} CPUs",
         flush=True,
     )
     static: dict[int, dict[str, Any]] = {}
@@ -157,6 +163,18 @@ def main(argv: list[str] | None = None) -> int:
             tuner.trials[-1].stats,
         ),
     )
+    val = tuner.evals.tuners.get("val")
+    val_result = (
+        None
+        if val is None or val.state.current is None
+        else {
+            "settled": val.state.current.to_loader_kwargs(),
+            "passes": val.passes,
+            "trials": len(val.state.trials),
+            "started_ahead": val.started_ahead,
+            "diagnosis": val.state.diagnosis,
+        }
+    )
     result = {
         "device": name,
         "torch": torch.__version__,
@@ -178,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_gpu_stall": first.gpu_stall_frac,
             "settled_host_stall": final.stall_frac,
             "settled_gpu_stall": final.gpu_stall_frac,
+            "validation": val_result,
         },
         "ratios_to_oracle": {
             "default": static[0]["seconds"] / oracle,
@@ -198,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{final.stall_frac:.1%}, GPU {gpu_final}"
     )
     print(f"RESULT diagnosis: {tuner.diagnosis}")
+    if val_result is not None:
+        print(
+            f"RESULT validation: {val_result['passes']} passes, settled on {val_result['settled']} after "
+            f"{val_result['trials']} trials, {val_result['started_ahead']} begun while training ran"
+        )
     path = write_results(args.out, f"gpu_{args.device}{'_quick' if args.quick else ''}.json", result)
     print(f"wrote {path}")
     return 0

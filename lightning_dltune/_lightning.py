@@ -678,7 +678,7 @@ def release_iterator(loader: DataLoader) -> None:
         loader._iterator = None
 
 
-def shutdown_unless_held(loader: DataLoader, iterator: Iterator[Any]) -> None:
+def shutdown_unless_owned(loader: DataLoader, iterator: Iterator[Any]) -> None:
     """Stop ``iterator``'s workers unless it is ``loader``'s own persistent iterator, which the loader resets at the
     next ``iter()``."""
     if getattr(loader, "_iterator", None) is not iterator:

@@ -363,7 +363,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             self._tuning_ended(trainer)
 
     def _measured(self) -> WindowStats:
-        stats = self.probe.close(fresh=self.state.switching and self.state.tuning)
+        stats = self.probe.close(decision_waits=self.state.switching and self.state.tuning)
         warn_shm_risk(self.state.current, stats.batch_bytes, self.budget, self.policy.shm_fraction)
         return stats
 

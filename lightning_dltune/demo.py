@@ -87,7 +87,7 @@ def run_demo(out: Path, quick: bool = False, epochs: int | None = None) -> dict[
     print(f"Diagnosis: {tuner.diagnosis}")
     carried = tuner.switcher.seamless.carried
     print(f"Seamless epochs: {carried} of {epochs - 1} epoch starts found the next batches already loading.")
-    behind = tuner.switcher.behind
+    behind = tuner.switcher.background_starts
     print(f"Background starts: {behind} switch(es) started their workers while the running loader served.")
     print(
         f"Throughput: {first:.0f} samples/s with num_workers=0 -> {last:.0f} samples/s in the last epoch: "

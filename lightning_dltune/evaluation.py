@@ -452,11 +452,11 @@ class EvalTuner:
             self._measure_only(f"it cannot be rebuilt inside a pass ({ex})")
             return False
         # the user's running iterator drew its base seed already
-        fresh = self.probe.build_loader(lambda: apart_from_global(new, lambda: iter(new)))
+        started = self.probe.build_loader(lambda: apart_from_global(new, lambda: iter(new)))
         _lightning.shutdown_iterator(iterator)
         if keeps:  # the old loader's persistent workers are not needed again
             _lightning.shutdown_workers(old)
-        guard.inner = fresh
+        guard.inner = started
         if keeps:
             _lightning.replace_loop_iterator(self.loop, guard, new)
         self._pass_loader = new

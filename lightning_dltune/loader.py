@@ -36,6 +36,7 @@ from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.state import Phase, TuningState, batches_left
 from lightning_dltune.switch import (
     GuardedIterator,
+    GuardHooks,
     ResumableBatchSampler,
     ShardCheck,
     apart_from_global,
@@ -63,6 +64,65 @@ class _Untuned:
 
 
 _NOT_ASKED = _Untuned()
+
+
+@dataclass
+class _Pending:
+    """A switch decided and not made yet: at the next fetch to ``settings`` (``in_background``: its loader may start
+    while the running one serves, see :meth:`LoaderSwitcher.switch`), or by a reload when the epoch ends."""
+
+    settings: LoaderSettings | None = None
+    in_background: bool = False
+    at_epoch_end: bool = False
+
+    def reset(self) -> None:
+        self.settings, self.in_background, self.at_epoch_end = None, False, False
+
+
+@dataclass
+class _Restored:
+    """What a checkpoint says of the epoch it was saved in, for the resumed fit's first loader: ``epoch``, the
+    (order, batch) of a mid-epoch checkpoint; ``position``, the (epoch, batch), for an epoch-seeded sampler;
+    ``loader``, the settings of the loader that ran (its saved state fits only those); ``deferred``, the target,
+    while the resumed epoch ends on those settings."""
+
+    epoch: tuple[list[int], int] | None = None
+    position: tuple[int, int] | None = None
+    loader: LoaderSettings | None = None
+    deferred: LoaderSettings | None = None
+
+
+@dataclass
+class _RandomBookkeeping:
+    """What a run without the tuner does with its loader (see :meth:`LoaderSwitcher._as_untuned`), to leave the global
+    random state as that run would: for the loader asked for since the running epoch began (``next``, ``None``: none
+    was) and for the running epoch's (``now``); the user's last loader object; the epoch Lightning's reload schedule
+    counted from when the tuner asked for the latest reload (``asked_reload``, ``None``: it did not), and what to put
+    back there once a reload only the tuner asked for is done; the random states before the latest build."""
+
+    next: _Untuned | None = None
+    now: _Untuned = _NOT_ASKED
+    user_loader: weakref.ref[DataLoader] | None = None
+    asked_reload: float | None = None
+    put_back_reload: float | None = None
+    before_build: list[tuple[torch.Generator | None, torch.Tensor]] | None = None
+
+    def reset(self) -> None:
+        self.next, self.now, self.user_loader = None, _NOT_ASKED, None
+        self.asked_reload = self.put_back_reload = None
+
+
+@dataclass
+class _StartUp:
+    """The running loader's start-up: ``unserved`` until it delivers a batch; its first batch's samples timed as
+    they load (``samples``), unless the step fetched twice (``spoiled``); workers added in place to it serve their
+    first batches before batch ``grown_until`` (a failure before it is their start-up's), ``growing`` until then."""
+
+    unserved: bool = False
+    samples: _lightning.SampleTimes | None = None
+    spoiled: bool = False
+    grown_until: int = -1
+    growing: bool = False
 
 
 class LoaderSwitcher:
@@ -97,9 +157,8 @@ class LoaderSwitcher:
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
         self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
-        self._pending: LoaderSettings | None = None
-        self._behind = False  # the pending switch may start its loader in the background (see `switch`)
-        self.behind = 0  # switches whose loader started in the background
+        self._pending = _Pending()
+        self.background_starts = 0  # switches whose loader started in the background
         self.in_place = 0  # prefetch changes made on the running workers (no restart)
         self.grown = 0  # workers added to the running loader (only the added ones started)
         self._built: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders this switcher built (changed in place)
@@ -107,43 +166,38 @@ class LoaderSwitcher:
         # the same path, and a rank whose change could not be made in place would wait at Lightning's reload barrier
         self.single_process = True
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
-        self._fresh = False  # the running loader has not delivered a batch yet
-        self._grown_until = -1  # before this batch, a failure is the start-up failure of workers added in place
-        self._growing = False  # workers added in place are starting (their steps are start-up)
-        self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
-        self._times_spoiled = False  # this step fetched twice: its samples are not timed
-        self._rng_before_build: list[tuple[torch.Generator | None, torch.Tensor]] | None = None
-        self.restored_epoch: tuple[list[int], int] | None = None  # (order, batch) of a mid-epoch checkpoint
-        self.restored_position: tuple[int, int] | None = None  # (epoch, batch), for an epoch-seeded sampler
-        self.restored_loader: LoaderSettings | None = None  # the running loader's, in a checkpoint (its state's)
-        self._deferred: LoaderSettings | None = None  # the target, while a resumed epoch ends on restored settings
-        self._reload = False  # reload the train loader when the epoch ends
+        self._startup = _StartUp()
+        self._restored = _Restored()
         self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
-        # what a run without the tuner does with its loader (see `_as_untuned`): for the loader asked for since the
-        # running epoch began (None: none was), and for the running epoch's; the user's last loader object; whether
-        # the epoch Lightning's reload schedule counted from when the tuner asked for the latest reload (None: it did
-        # not), and what to put back there once a reload only the tuner asked for is done
-        self._untuned_next: _Untuned | None = None
-        self._untuned_now = _NOT_ASKED
-        self._user_loader: weakref.ref[DataLoader] | None = None
-        self._asked_reload: float | None = None
-        self._put_back_reload: float | None = None
+        self._random = _RandomBookkeeping()
+        self._guard_hooks = GuardHooks(
+            replace=self._switch_if_pending,
+            on_death=self._recover,
+            on_error=self._startup_failed,
+            prepare=_lightning.detach_from_sigchld,
+            worker_dead=_lightning.worker_died,
+            close=_lightning.shutdown_iterator,
+            ahead=self._lead,
+            adopt=self._adopt,
+            overlap=self._overlapping,
+            build=self.probe.build_loader,
+            iterate=_lightning.iterate_growing,
+        )
         self.seamless = Seamless(
             seamless,
             epoch=lambda: self.trainer.current_epoch if self.trainer is not None else 0,
             base_draws=lambda: self.state.start is None or not self.state.start.persistent_workers,
             serve=_lightning.serve_carried_iterator,
             release=_lightning.release_iterator,
-            shutdown=_lightning.shutdown_unless_held,
+            shutdown=_lightning.shutdown_unless_owned,
             goes_on=lambda ahead: self.trainer is None or fit_goes_on(self.trainer, ahead),
-            fresh=lambda: (self._untuned_next or self._untuned_now).draws_base,
+            untuned_creates=lambda: (self._random.next or self._random.now).draws_base,
         )
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
-        self.trainer, self._first_epoch, self._user_loader = trainer, None, None
-        self._untuned_next, self._untuned_now = None, _NOT_ASKED
-        self._asked_reload = self._put_back_reload = None
+        self.trainer, self._first_epoch = trainer, None
+        self._random.reset()
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
@@ -156,7 +210,8 @@ class LoaderSwitcher:
         if stop_workers:
             self.shutdown()
         self._abandon()
-        self._pending, self._behind, self._guarded = None, False, None
+        self._pending.reset()
+        self._guarded = None
         self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
@@ -167,13 +222,13 @@ class LoaderSwitcher:
         carried for seamless epochs, and the persistent workers of the loaders it built. After a failed ``fit``
         nothing else stops them until a garbage collection (the exception's traceback holds the running iterator)."""
         guard = self._guarded
-        held = [self.seamless.carried_iterator]
+        iterators = [self.seamless.carried_iterator]
         if guard is not None:
-            held += [guard.inner, guard.next[1] if guard.next is not None else None]
+            iterators += [guard.inner, guard.next[1] if guard.next is not None else None]
         if self.trainer is not None:  # the loop's own, where the tuner did not guard it
             running = _lightning.train_iterator(self.trainer)
-            held.append(running.inner if isinstance(running, (GuardedIterator, ShardCheck)) else running)
-        for iterator in held:
+            iterators.append(running.inner if isinstance(running, (GuardedIterator, ShardCheck)) else running)
+        for iterator in iterators:
             if iterator is not None:
                 _lightning.shutdown_iterator(iterator)
         for loader in list(self._built):
@@ -195,7 +250,7 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
-        self._untuned_next = self._as_untuned(loader)
+        self._random.next = self._as_untuned(loader)
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
         if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self.tune_iterable:
@@ -205,7 +260,7 @@ class LoaderSwitcher:
                 "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
                 "with `DataLoaderTuner(tune_iterable=True)`",
             )
-        self._rng_before_build = _random_states(loader)
+        self._random.before_build = _random_states(loader)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
         loader = self._rebuilt(loader, current, self._build_settings(loader))
@@ -213,8 +268,8 @@ class LoaderSwitcher:
         self._check_shards = isinstance(loader.dataset, IterableDataset) and self._tuner_added_workers(loader)
         self._guard_needed = self.resumable or self._check_shards  # also where no epoch start follows (a resume)
         self.seamless.attach(loader)
-        self._fresh = True
-        if self.resumable and self.restored_epoch is not None:
+        self._startup.unserved = True
+        if self.resumable and self._restored.epoch is not None:
             self._resume_epoch(loader.batch_sampler)
         self.state.current = LoaderSettings.from_loader(loader)
         self.probe.loader_built(self.state.current.num_workers)
@@ -223,13 +278,13 @@ class LoaderSwitcher:
     def _build_settings(self, loader: DataLoader) -> LoaderSettings | None:
         """The settings to build ``loader`` with: the target, except for the first loader of a resumed run into
         which Lightning loads the checkpoint's loader state: that state fits only the settings it was saved with."""
-        saved, self.restored_loader = self.restored_loader, None
+        saved, self._restored.loader = self._restored.loader, None
         target = self.state.target
         if saved is None or saved == target or target is None or self.trainer is None or not self.state.switching:
             return target
         if not _lightning.loader_state_pending(self.trainer, loader):
             return target
-        self._deferred = target
+        self._restored.deferred = target
         self.aim(saved)
         return saved
 
@@ -280,7 +335,7 @@ class LoaderSwitcher:
                     "no sample can be lost or repeated.",
                 )
             return {}
-        resume, self.restored_position = self.restored_position, None
+        resume, self._restored.position = self._restored.position, None
         exhaust = (self.state.start or LoaderSettings.from_loader(loader)).num_workers > 0  # as the user's loader
         return {
             "batch_sampler": ResumableBatchSampler(bs.sampler, bs.batch_size, bs.drop_last, resume, exhaust),
@@ -293,8 +348,8 @@ class LoaderSwitcher:
         }
 
     def _resume_epoch(self, sampler: ResumableBatchSampler) -> None:
-        order, batch = self.restored_epoch or ([], 0)
-        self.restored_epoch = None
+        order, batch = self._restored.epoch or ([], 0)
+        self._restored.epoch = None
         expected = len(sampler) * sampler.batch_size if sampler.drop_last else None
         if (expected is not None and len(order) != expected) or -(-len(order) // sampler.batch_size) != len(sampler):
             warn_once(
@@ -327,11 +382,13 @@ class LoaderSwitcher:
         self.aim(settings)
         same = settings == self.state.current and not (everywhere and not now)
         if same or (not everywhere and self._in_place(settings, grow=now or not last_epoch)):  # nothing to build
-            self._pending, self._reload = None, False
+            self._pending.reset()
         elif now:
-            self._pending, self._behind = settings, behind
+            self._pending.settings, self._pending.in_background = settings, behind
         elif not last_epoch:
-            self._reload = True  # at the epoch's end: tearing the loader down now would end this epoch early
+            self._pending.at_epoch_end = (
+                True  # at the epoch's end: tearing the loader down now would end this epoch early
+            )
 
     @property
     def changes_in_place(self) -> bool:
@@ -370,11 +427,11 @@ class LoaderSwitcher:
                 self.probe.resume()
             if not added:
                 return False
-            self._grown_until = guard.position + settings.batches_in_flight  # the added workers' first batches
+            self._startup.grown_until = guard.position + settings.batches_in_flight  # the added workers' first batches
             # until those are served, the added workers start (on the same CPUs): start-up, as a background start's
             # overlap is, charged its time beyond the old pace, not steady state
             self.probe.overlap_started()
-            self._growing = True
+            self._startup.growing = True
             _lightning.change_prefetch(guard.loader, guard.inner, settings.prefetch_factor)
             self.grown += 1
         else:
@@ -394,13 +451,13 @@ class LoaderSwitcher:
         one's too, or its ``reload_dataloaders_every_n_epochs``), that run asks for it too and iterates it as the
         tuner's is; a new object (or the fit's first) creates an iterator, drawing a base seed. Where only the tuner
         asked for the reload, that run would have gone on with its iterator."""
-        last, self._user_loader = self._user_loader, weakref.ref(loader)
-        ours, self._asked_reload = self._asked_reload, None  # the tuner asked for this reload
+        last, self._random.user_loader = self._random.user_loader, weakref.ref(loader)
+        ours, self._random.asked_reload = self._random.asked_reload, None  # the tuner asked for this reload
         if self._first_epoch is None or self.trainer is None:  # nothing trained yet in this fit
             return _Untuned(asked=True, draws_base=True)
         if ours is not None and not _lightning.lightning_reloads_train(self.trainer):
             # Lightning's schedule counts from its own latest reload, not from the tuner's (put back at epoch start)
-            self._put_back_reload = ours
+            self._random.put_back_reload = ours
             return _NOT_ASKED
         return _Untuned(asked=True, draws_base=last is None or last() is not loader)
 
@@ -410,55 +467,56 @@ class LoaderSwitcher:
         middle of an epoch starts no epoch, and this runs at its first fetch)."""
         if self._first_epoch is None and self.trainer is not None:
             self._first_epoch = self.trainer.current_epoch
-        self._untuned_now, self._untuned_next = self._untuned_next or _NOT_ASKED, None
+        self._random.now, self._random.next = self._random.next or _NOT_ASKED, None
 
     def epoch_started(self) -> None:
         """A train epoch begins (after Lightning's ``setup_data``): the guard goes on its iterator, the random state
         is kept as untuned, and Lightning's reload schedule as it was before a reload only the tuner asked for."""
-        if self._put_back_reload is not None and self.trainer is not None:
-            _lightning.set_train_reload_epoch(self.trainer, self._put_back_reload)
-        self._put_back_reload = None
+        if self._random.put_back_reload is not None and self.trainer is not None:
+            _lightning.set_train_reload_epoch(self.trainer, self._random.put_back_reload)
+        self._random.put_back_reload = None
         self._train_began()
         self._keep_rng_as_untuned()
         self._guard_needed = self.resumable or self._check_shards
         self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
-        self._times_spoiled = False
+        self._startup.spoiled = False
 
     def epoch_ended(self, last_epoch: bool) -> None:
         """A train epoch ended, after the tuner's decision: a reload asked for during it happens now. An epoch
         resumed on a restored loader's settings goes on to the target its checkpoint had, when tuning had settled
         on it, or when no step on the restored settings is left to judge (no decision has replaced it)."""
-        deferred, self._deferred = self._deferred, None
-        if self._growing:
+        deferred, self._restored.deferred = self._restored.deferred, None
+        if self._startup.growing:
             self._grown()
         judged = self.state.tuning and self.probe.window_batches == 0
         if deferred is not None and self.state.target == deferred and (self.state.phase is Phase.SETTLED or judged):
             self.switch(deferred, now=False, last_epoch=last_epoch)
         self._abandon()  # the epoch ended before a background start took over: the next epoch switches
-        go_on = not (self._reload or last_epoch or self._pending is not None)
+        pending = self._pending
+        go_on = not (pending.at_epoch_end or last_epoch or pending.settings is not None)
         if self.trainer is not None:
             self.seamless.epoch_ended(_lightning.train_iterator(self.trainer), go_on)
-        if self._reload and not last_epoch:
+        if pending.at_epoch_end and not last_epoch:
             assert self.trainer is not None
-            self._asked_reload = _lightning.train_reload_epoch(self.trainer)
+            self._random.asked_reload = _lightning.train_reload_epoch(self.trainer)
             _lightning.request_train_reload(self.trainer)
-        self._reload = False
+        pending.at_epoch_end = False
 
     def batch_done(self) -> None:
-        self._fresh, self._times_spoiled = False, False
+        self._startup.unserved, self._startup.spoiled = False, False
         times = self._stop_timing()  # the start-up step's batch, loaded in the training process
         if times is not None:
             self.probe.startup_samples(times)
-        if self._growing and self._guarded is not None and self._guarded.position >= self._grown_until:
+        if self._startup.growing and self._guarded is not None and self._guarded.position >= self._startup.grown_until:
             self._grown()
 
     def _grown(self) -> None:
         """Workers added in place have served their first batches (or the epoch ended): steady state from here."""
-        self._growing = False
+        self._startup.growing = False
         self.probe.rebuilt_in_fetch()
 
     def _before_fetch(self) -> None:
-        self._rng_before_build = None  # only an epoch start right after a build may rewind to it
+        self._random.before_build = None  # only an epoch start right after a build may rewind to it
         if self._first_epoch is None:  # a fit resumed mid-epoch starts no epoch
             self._train_began()
         if self._guard_needed:
@@ -467,16 +525,16 @@ class LoaderSwitcher:
             _lightning.wrap_train_iterator(self.trainer, self._guard)
         self.probe.fetch_started()
         if self._stop_timing() is not None:  # a second fetch in one step (a step that pulls its batches itself):
-            self._times_spoiled = True  # the times are no one batch's
+            self._startup.spoiled = True  # the times are no one batch's
         guard = self._guarded
-        if self.state.tuning and self.probe.startup_next and guard is not None and not self._times_spoiled:
+        if self.state.tuning and self.probe.startup_next and guard is not None and not self._startup.spoiled:
             # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
             # lazily shows apart from the rest, and the step can be judged on its own (`decide.steady_from_the_start`)
-            self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
+            self._startup.samples = _lightning.time_samples(guard.inner, self.probe.clock)
 
     def _stop_timing(self) -> list[float] | None:
         """Stop timing samples (see ``_lightning.time_samples``); the times taken, or ``None`` when none was timing."""
-        timing, self._sample_times = self._sample_times, None
+        timing, self._startup.samples = self._startup.samples, None
         return None if timing is None else timing.finish()
 
     def _tuner_added_workers(self, loader: DataLoader) -> bool:
@@ -493,36 +551,20 @@ class LoaderSwitcher:
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
         if isinstance(inner, GuardedIterator) or not resumable:
             return inner
-        self._guarded = GuardedIterator(
-            loader,
-            inner,
-            self._switch_if_pending,
-            self._recover,
-            _lightning.detach_from_sigchld,
-            _lightning.worker_died,
-            self._startup_failed,
-            _lightning.shutdown_iterator,
-            self._lead,
-            self._adopt,
-            self._overlapping,
-            self.probe.build_loader,
-            _lightning.iterate_growing,
-        )
+        self._guarded = GuardedIterator(loader, inner, self._guard_hooks)
         return self._guarded
 
     def _overlapping(self, new: DataLoader | None) -> None:
-        self._growing = False  # a new loader's overlap (or its end) takes over the timer's overlap
+        self._startup.growing = False  # a new loader's overlap (or its end) takes over the timer's overlap
         if new is None:  # abandoned before it took over
             self.probe.overlap_ended()
             return
-        self.behind += 1
+        self.background_starts += 1
         self.probe.overlap_started()
 
     def _switch_if_pending(self, loader: DataLoader) -> DataLoader | None:
-        if self._pending is None:
-            return None
-        settings, self._pending = self._pending, None
-        return self._build(loader, settings)
+        settings, self._pending.settings = self._pending.settings, None
+        return None if settings is None else self._build(loader, settings)
 
     def _build(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
         """``loader`` rebuilt with ``settings``; it serves once the guard adopts it (see :meth:`_adopt`)."""
@@ -538,7 +580,7 @@ class LoaderSwitcher:
         the epoch's last batch (``limit_train_batches`` and ``max_steps`` included). ``None``: it takes over at
         once; so does a loader with its own state (a ``StatefulDataLoader``): the state Lightning saves is the
         serving loader's."""
-        behind, self._behind = self._behind, False
+        behind, self._pending.in_background = self._pending.in_background, False
         if not behind or self.trainer is None or callable(getattr(new, "state_dict", None)):
             return None
         end, guard = self.trainer.num_training_batches, self._guarded
@@ -554,10 +596,10 @@ class LoaderSwitcher:
         fetch's wait (with a background start's extra time) is ``new``'s start-up."""
         assert self.trainer is not None
         _lightning.shutdown_workers(old)
-        self._growing = False  # the workers added to the old loader are gone
+        self._startup.growing = False  # the workers added to the old loader are gone
         _lightning.replace_train_loader(self.trainer, new)
         self.state.current = LoaderSettings.from_loader(new)
-        self._fresh = True
+        self._startup.unserved = True
         self.probe.rebuilt_in_fetch()
         self.probe.loader_built(self.state.current.num_workers)
 
@@ -573,8 +615,8 @@ class LoaderSwitcher:
         a later decision replaced it."""
         new = self._guarded.abandon() if self._guarded is not None else None
         settings = LoaderSettings.from_loader(new) if new is not None else None
-        if settings is not None and self._pending is None and settings == self.state.target:
-            self._pending = settings
+        if settings is not None and self._pending.settings is None and settings == self.state.target:
+            self._pending.settings = settings
 
     # --- failures -------------------------------------------------------------------------------------------
     def _not_sharded(self, loader: DataLoader, inner: Iterator[Any], taken: int) -> Iterator[Any]:
@@ -609,8 +651,8 @@ class LoaderSwitcher:
         """A config the tuner chose failed before delivering its first batch (a raising ``worker_init_fn``,
         workers that cannot start), or workers it added in place failed in their first batches: fall back. Errors
         of the user's own config, or after a config has delivered batches, are the user's and propagate."""
-        grown = self._guarded is not None and self._guarded.loader is loader and position < self._grown_until
-        if not (self._fresh or grown) or not self.state.tuner_changed_workers():
+        grown = self._guarded is not None and self._guarded.loader is loader and position < self._startup.grown_until
+        if not (self._startup.unserved or grown) or not self.state.tuner_changed_workers():
             return None
         return self._fall_back(loader, position, "workers failed to start", error)
 
@@ -654,18 +696,18 @@ class LoaderSwitcher:
         the epoch loop's ``iter()`` draws the epoch's order from there as the user's loader does
         (:meth:`_draw_as_untuned_setup`).
         """
-        saved, self._rng_before_build = self._rng_before_build, None
+        saved, self._random.before_build = self._random.before_build, None
         trainer, start = self.trainer, self.state.start
         loader = trainer.train_dataloader if trainer is not None else None
         if trainer is None or start is None or not isinstance(loader, DataLoader):
             return
         ours = loader in self._built or LoaderSettings.from_loader(loader) != start
-        if self._untuned_now.asked and (self._first_epoch == trainer.current_epoch or not ours):
+        if self._random.now.asked and (self._first_epoch == trainer.current_epoch or not ours):
             return
         # Lightning reloaded on its own, onto a loader of the tuner's (other settings, or only its batch sampler):
         # what that loader drew in setup_data is undone, the user's loader's draws there are made instead, and the
         # epoch loop's iter() draws the epoch's order from there
-        reloaded = self._untuned_now.asked and saved is not None
+        reloaded = self._random.now.asked and saved is not None
         if not reloaded and _lightning.keeps_fresh_iterator(loader):  # the epoch loop's iter() keeps it
             return
         for generator, state in saved or []:
@@ -691,7 +733,7 @@ class LoaderSwitcher:
         tuner's loader has no workers and the user's has persistent ones: that loader's next iterator draws a base
         seed, where the user's is only reset."""
         batches = loader.batch_sampler
-        if start.num_workers == 0 or not start.persistent_workers or self._untuned_now.draws_base:
+        if start.num_workers == 0 or not start.persistent_workers or self._random.now.draws_base:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
         if not isinstance(batches, ResumableBatchSampler):
             return
@@ -734,12 +776,12 @@ class LoaderSwitcher:
     def load_position(self, state: dict[str, Any]) -> None:
         batch = int(state.get("epoch_batch", 0))
         if "epoch_order" in state:
-            self.restored_epoch = (list(state["epoch_order"]), batch)
+            self._restored.epoch = (list(state["epoch_order"]), batch)
         elif "epoch_index" in state and batch > 0:
-            self.restored_position = (int(state["epoch_index"]), batch)
+            self._restored.position = (int(state["epoch_index"]), batch)
         saved = state.get("loader_settings")
         if isinstance(saved, dict):
-            self.restored_loader = LoaderSettings.from_dict(saved)
+            self._restored.loader = LoaderSettings.from_dict(saved)
 
     def worker_pids(self) -> list[int]:
         return [] if self.trainer is None else _lightning.train_worker_pids(self.trainer)

@@ -185,14 +185,15 @@ class MemoryWatch:
             total = more
         return total + latest.workers * self.flight_bytes
 
-    def take(self, fresh: bool = True) -> WorkerMemory:
+    def take(self, decision_waits: bool = True) -> WorkerMemory:
         """The fit of the window's readings; starts the next window. A window the thread read nothing in (it reads
         at most a small share of a CPU: every 2 s or so for torch workers, far from the budget) reads
-        ``SYNC_READ_WORKERS`` of the workers now, in the training process; unless not ``fresh`` (no decision waits
-        on it: tuning ended, or only observing), where the latest reading of the same workers stands, if any."""
+        ``SYNC_READ_WORKERS`` of the workers now, in the training process; unless no decision waits on it
+        (``decision_waits`` false: tuning ended, or only observing), where the latest reading of the same workers
+        stands, if any."""
         if not self._samples:
             newest = self._newest
-            if not fresh and newest is not None and self._pids == frozenset(self._pids_now()):  # read before
+            if not decision_waits and newest is not None and self._pids == frozenset(self._pids_now()):  # read before
                 with self._lock:
                     self._samples.append(newest)
             else:
@@ -435,22 +436,22 @@ class Probe:
     def peek(self) -> WindowStats:
         return self.timer.peek_window()
 
-    def close(self, fresh: bool = True) -> WindowStats:
+    def close(self, decision_waits: bool = True) -> WindowStats:
         """The window's statistics, host and GPU, with CPU time, worker memory and batch bytes; starts the next.
-        ``fresh``: a decision waits on the workers' memory (see :meth:`MemoryWatch.take`)."""
+        ``decision_waits``: a decision waits on the workers' memory (see :meth:`MemoryWatch.take`)."""
         stats = self.timer.take_window()
         if self.gpu is not None:
             stats = stats.with_gpu(self.gpu.take_window())
         if self._cpu0 is not None:
             (main0, kids0), (main1, kids1) = self._cpu0, self._cpu_seconds()
             stats = stats.with_cpu(worker_cpu_s=max(0.0, kids1 - kids0), main_cpu_s=max(0.0, main1 - main0))
-        stats = self._with_memory(stats, self.memory.take(fresh), self._batch_bytes or 0.0)
+        stats = self._with_memory(stats, self.memory.take(decision_waits), self._batch_bytes or 0.0)
         self._cpu0 = self._batch_bytes = None
         return stats
 
     def memory_only(self) -> WindowStats:
         """The memory part of a window once tuning ended (the budget is still held); starts the next."""
-        return self._with_memory(WindowStats(), self.memory.take(fresh=False), self._known_batch_bytes)
+        return self._with_memory(WindowStats(), self.memory.take(decision_waits=False), self._known_batch_bytes)
 
     def _with_memory(self, stats: WindowStats, mem: WorkerMemory, batch_bytes: float) -> WindowStats:
         """``stats`` with the window's worker memory and this process's footprint, which is also the most a worker is

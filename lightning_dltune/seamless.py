@@ -51,8 +51,8 @@ class Seamless:
         epoch: the running epoch (``trainer.current_epoch``).
         base_draws: whether a run without the tuner creates an iterator every epoch (the user's loader is not
             persistent), drawing a base seed from the loader's generator.
-        fresh: whether a run without the tuner creates its loader's iterator in this epoch, persistent or not: the
-            first epoch of its ``fit`` (a resumed one's too), or one that reloads the loader as a new object.
+        untuned_creates: whether a run without the tuner creates its loader's iterator in this epoch, persistent or
+            not: the first epoch of its ``fit`` (a resumed one's too), or one that reloads the loader as a new object.
         serve: ``serve(loader, take, draws_base)`` makes ``iter(loader)`` start from ``take(loader)`` when that
             returns an iterator, and a new iterator draw its base seed only when ``draws_base()`` (a loader at 0
             workers is served too, whatever ``setting``: it carries nothing, but creates an iterator every epoch);
@@ -79,12 +79,12 @@ class Seamless:
         release: Callable[[DataLoader], None] = lambda loader: None,
         shutdown: Callable[[DataLoader, Iterator[Any]], None] = lambda loader, iterator: None,
         goes_on: Callable[[int], bool] = lambda ahead: True,
-        fresh: Callable[[], bool] = lambda: False,
+        untuned_creates: Callable[[], bool] = lambda: False,
         before_epoch: Callable[[torch.Generator, int], None] = lambda generator, epoch: None,
     ) -> None:
         self.setting = setting
         self.before_epoch = before_epoch
-        self.epoch, self.base_draws, self.fresh = epoch, base_draws, fresh
+        self.epoch, self.base_draws, self.untuned_creates = epoch, base_draws, untuned_creates
         self._serve, self._release, self._shutdown, self._goes_on = serve, release, shutdown, goes_on
         self._carry: tuple[DataLoader, Iterator[Any]] | None = None
         # the generators' states before each epoch's order was drawn ahead, by epoch: what a drop puts back
@@ -153,11 +153,11 @@ class Seamless:
     def draws_base(self) -> bool:
         """Whether a new iterator of the loader draws its workers' base seed from the user's random state now: a
         run without the tuner creates an iterator, drawing one, in its first epoch, in an epoch that reloads its
-        loader as a new object (``fresh``) and, unless its loader is persistent, in every epoch."""
+        loader as a new object (``untuned_creates``) and, unless its loader is persistent, in every epoch."""
         if self._base_drawn:  # once: see _take
             self._base_drawn = False
             return False
-        return self.epoch() == 0 or self.fresh() or self.base_draws()
+        return self.epoch() == 0 or self.untuned_creates() or self.base_draws()
 
     def _before_draw(self, batches: ResumableBatchSampler, generator: torch.Generator | None, ahead: int) -> None:
         sampler: Any = batches.sampler

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -230,6 +231,45 @@ def error_summary(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+@dataclass(frozen=True)
+class GuardHooks:
+    """What a :class:`GuardedIterator` asks its owner (the loader switcher), by name.
+
+    Attributes:
+        replace: ``replace(loader) -> new_loader | None`` is asked before every fetch; a loader it returns takes
+            over at the current position, or in the background (see ``ahead``).
+        on_death: ``on_death(error, loader, position) -> new_loader | None`` is asked when a worker died; ``None``
+            re-raises the error.
+        on_error: ``on_error(error, loader, position) -> new_loader | None`` for any other error of a fetch.
+        prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
+        worker_dead: whether one of an inner iterator's worker processes has died.
+        close: stops an inner iterator's workers; called on the old one before a new one starts, so two worker sets
+            are never alive at once (an OOM recovery must not OOM again), except for a background start.
+        ahead: ``ahead(new) -> (lead, end) | None``: start ``new`` (a loader ``replace`` returned) in the background,
+            handing over ``lead`` batches after those the old loader has already been handed, and before batch
+            ``end``; ``None``: take over at once. Replacements after a failure always take over at once.
+        adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
+        overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are still
+            the old loader's), ``overlap(None)`` when it was abandoned before taking over.
+        build: ``build(create)`` creates a new loader's iterator (starting its workers) with ``create()`` and returns
+            it; the probe times it there, on the timer's clock.
+        iterate: ``iterate(loader)`` is the new iterator ``create()`` makes (``iter``, or one whose workers start
+            one by one, each loading as soon as it has started).
+    """
+
+    replace: Callable[[Any], Any] = lambda loader: None
+    on_death: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None
+    on_error: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None
+    prepare: Callable[[Iterator[Any]], None] = lambda it: None
+    worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False
+    close: Callable[[Iterator[Any]], None] = lambda it: None
+    ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None
+    adopt: Callable[[Any, Any], None] = lambda old, new: None
+    overlap: Callable[[Any | None], None] = lambda new: None
+    build: Callable[[Callable[[], Iterator[Any]]], Iterator[Any]] = lambda create: create()
+    iterate: Callable[[Any], Iterator[Any]] = iter
+
+
 class GuardedIterator(Iterator[Any]):
     """The iterator the training loop pulls train batches from, able to change loaders between fetches.
 
@@ -243,58 +283,18 @@ class GuardedIterator(Iterator[Any]):
     Args:
         loader: the current ``DataLoader`` (its batch sampler is a :class:`ResumableBatchSampler`).
         inner: the iterator of ``loader`` the loop was using.
-        replace: ``replace(loader) -> new_loader | None`` is asked before every fetch; a loader it returns
-            takes over at the current position, or in the background (see ``ahead``).
-        on_death: ``on_death(error, loader, position) -> new_loader | None`` is asked when a worker died;
-            ``None`` re-raises the error.
-        prepare: called on every new inner iterator (to unregister worker pids from PyTorch's SIGCHLD handler).
-        worker_dead: whether one of an inner iterator's worker processes has died.
-        on_error: ``on_error(error, loader, position) -> new_loader | None`` for any other error of a fetch.
-        close: stops an inner iterator's workers; called on the old one before a new one starts, so two worker
-            sets are never alive at once (an OOM recovery must not OOM again), except for a background start.
-        ahead: ``ahead(new) -> (lead, end) | None``: start ``new`` (a loader ``replace`` returned) in the
-            background, handing over ``lead`` batches after those the old loader has already been handed, and
-            before batch ``end``; ``None``: take over at once. Replacements after a failure always take over at
-            once.
-        adopt: ``adopt(old, new)`` when ``new`` becomes the loader that serves (the old one is done with).
-        overlap: ``overlap(new)`` when a background start of ``new`` began (the batches until the hand-over are
-            still the old loader's), ``overlap(None)`` when it was abandoned before taking over.
-        build: ``build(create)`` creates a new loader's iterator (starting its workers) with ``create()`` and returns
-            it; the probe times it there, on the timer's clock.
-        iterate: ``iterate(loader)`` is the new iterator ``create()`` makes (``iter``, or one whose workers start
-            one by one, each loading as soon as it has started).
+        hooks: what it asks its owner (:class:`GuardHooks`).
     """
 
-    def __init__(
-        self,
-        loader: Any,
-        inner: Iterator[Any],
-        replace: Callable[[Any], Any],
-        on_death: Callable[[BaseException, Any, int], Any],
-        prepare: Callable[[Iterator[Any]], None],
-        worker_dead: Callable[[Iterator[Any]], bool] = lambda it: False,
-        on_error: Callable[[BaseException, Any, int], Any] = lambda error, loader, position: None,
-        close: Callable[[Iterator[Any]], None] = lambda it: None,
-        ahead: Callable[[Any], tuple[int, int] | None] = lambda new: None,
-        adopt: Callable[[Any, Any], None] = lambda old, new: None,
-        overlap: Callable[[Any | None], None] = lambda new: None,
-        build: Callable[[Callable[[], Iterator[Any]]], Iterator[Any]] = lambda create: create(),
-        iterate: Callable[[Any], Iterator[Any]] = iter,
-    ) -> None:
+    def __init__(self, loader: Any, inner: Iterator[Any], hooks: GuardHooks = GuardHooks()) -> None:
         self.loader = loader
         self.inner = inner
         # batches of the epoch already delivered: where the loader's sampler started (a resumed epoch starts late)
         self.position = int(getattr(loader.batch_sampler, "offset", 0))
-        self._replace = replace
-        self._on_death = on_death
-        self._prepare = prepare
-        self._worker_dead = worker_dead
-        self._on_error = on_error
-        self._close = close
-        self._ahead, self._adopt, self._overlap, self._build, self._iterate = ahead, adopt, overlap, build, iterate
+        self.hooks = hooks
         self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
         self.handed_over = 0  # background starts that took over
-        prepare(inner)
+        hooks.prepare(inner)
 
     def __next__(self) -> Any:
         sampler = self.loader.batch_sampler
@@ -302,7 +302,7 @@ class GuardedIterator(Iterator[Any]):
             raise StopIteration
         if self.next is not None and self.position >= self.next[2]:
             self._hand_over()
-        new = self._replace(self.loader)
+        new = self.hooks.replace(self.loader)
         if new is not None and not self._start_behind(new):
             self._switch(new)
         while True:
@@ -312,10 +312,10 @@ class GuardedIterator(Iterator[Any]):
                 raise
             except Exception as ex:
                 self.abandon()  # a recovery stops every worker first
-                if is_worker_death(ex, self._worker_dead(self.inner)):
-                    new = self._on_death(ex, self.loader, self.position)
+                if is_worker_death(ex, self.hooks.worker_dead(self.inner)):
+                    new = self.hooks.on_death(ex, self.loader, self.position)
                 else:
-                    new = self._on_error(ex, self.loader, self.position)
+                    new = self.hooks.on_error(ex, self.loader, self.position)
                 if new is None:
                     raise
                 self._switch(new)
@@ -325,7 +325,7 @@ class GuardedIterator(Iterator[Any]):
 
     def _start_behind(self, new: Any) -> bool:
         """Start ``new`` in the background, when ``ahead`` allows it and the old iteration can be cut ahead."""
-        plan = self._ahead(new)
+        plan = self.hooks.ahead(new)
         sampler = self.loader.batch_sampler
         if plan is None or self.next is not None or new.batch_sampler is not sampler:
             return False
@@ -338,15 +338,15 @@ class GuardedIterator(Iterator[Any]):
         sampler.resume_at(at)
         inner = self._start(new)
         self.next = (new, inner, at)
-        self._overlap(new)
+        self.hooks.overlap(new)
         return True
 
     def _hand_over(self) -> None:
         assert self.next is not None
         new, inner, _ = self.next
         self.next = None
-        self._close(self.inner)
-        self._adopt(self.loader, new)
+        self.hooks.close(self.inner)
+        self.hooks.adopt(self.loader, new)
         self.loader, self.inner = new, inner
         self.handed_over += 1
 
@@ -358,8 +358,8 @@ class GuardedIterator(Iterator[Any]):
             return None
         new, inner, _ = self.next
         self.next = None
-        self._close(inner)
-        self._overlap(None)
+        self.hooks.close(inner)
+        self.hooks.overlap(None)
         return new
 
     def _switch(self, new: Any) -> None:
@@ -368,17 +368,17 @@ class GuardedIterator(Iterator[Any]):
             raise TypeError("a replacement loader must keep the ResumableBatchSampler of the epoch")
         sampler.resume_at(self.position)
         self.abandon()  # a later decision (a switch down for memory) replaces a background start
-        self._close(self.inner)
+        self.hooks.close(self.inner)
         inner = self._start(new)  # adopted as it started (a worker that could not start is not counted)
-        self._adopt(self.loader, new)
+        self.hooks.adopt(self.loader, new)
         self.loader, self.inner = new, inner
 
     def _start(self, new: Any) -> Iterator[Any]:
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
         # state: a run that never switched makes no such draw in the middle of an epoch (with seamless epochs, the
         # next epoch's order may be drawn as the new workers are first given batches)
-        inner = self._build(lambda: apart_from_global(new, lambda: self._iterate(new)))
-        self._prepare(inner)
+        inner = self.hooks.build(lambda: apart_from_global(new, lambda: self.hooks.iterate(new)))
+        self.hooks.prepare(inner)
         return inner
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
 from lightning_dltune import DataLoaderTuner, _lightning
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import live_children, make_trainer
@@ -64,16 +64,13 @@ def shut(*its):
 
 def switching(old, new, at, lead, **kwargs):
     """A guard over ``old`` that switches to ``new`` at batch ``at``, in the background with ``lead``."""
-    guard = GuardedIterator(
-        old,
-        iter(old),
-        lambda loader: new if loader is old and guard.position == at else None,
-        lambda *a: None,
-        lambda it: None,
+    hooks = GuardHooks(
+        replace=lambda loader: new if loader is old and guard.position == at else None,
         close=shut,
         ahead=lambda loader: (lead, len(old.batch_sampler)),
         **kwargs,
     )
+    guard = GuardedIterator(old, iter(old), hooks)
     return guard
 
 
@@ -140,16 +137,13 @@ def test_a_switch_whose_workers_cannot_all_start_serves_every_batch_on_those_tha
     old = DataLoader(list(range(40)), batch_sampler=sampler, num_workers=2)
     new = DataLoader(list(range(40)), batch_sampler=sampler, num_workers=4, multiprocessing_context=ForkFailsAt(3))
     adopted = []
-    guard = GuardedIterator(
-        old,
-        iter(old),
-        lambda loader: new if loader is old and guard.position == 3 else None,
-        lambda *a: None,
-        lambda it: None,
+    hooks = GuardHooks(
+        replace=lambda loader: new if loader is old and guard.position == 3 else None,
         close=shut,
         adopt=lambda old, new: adopted.append(LoaderSettings.from_loader(new).num_workers),
         iterate=_lightning.iterate_growing,
     )
+    guard = GuardedIterator(old, iter(old), hooks)
     batches = [b.tolist() for b in guard]
     assert [i for b in batches for i in b] == list(range(40))  # nothing lost or repeated
     # the new loader runs the 2 workers that started (the 3rd fork failed), and is adopted as such
@@ -215,7 +209,7 @@ def test_a_tuned_fit_jumps_from_0_workers_at_once_on_the_exact_order(tmp_path):
     tuner, workers = DataLoaderTuner(), WorkersPerBatch()
     tuned = fit(tmp_path / "b", tuner, [workers], workers=0)
     assert tuned == reference
-    assert tuner.trials[0].settings.num_workers == 0 and tuner.switcher.behind == 0, tuner.trials
+    assert tuner.trials[0].settings.num_workers == 0 and tuner.switcher.background_starts == 0, tuner.trials
     first = [w for e, w in workers.seen if e == 0]
     assert first[0] == 0 and max(first) > 1
 
@@ -228,7 +222,7 @@ def test_a_tuned_fit_adds_workers_beside_the_users_one_on_the_exact_order(tmp_pa
     tuner, workers = DataLoaderTuner(), WorkersPerBatch()
     tuned = fit(tmp_path / "b", tuner, [workers])
     assert tuned == reference
-    assert tuner.switcher.grown >= 1 and tuner.switcher.behind == 0, tuner.trials
+    assert tuner.switcher.grown >= 1 and tuner.switcher.background_starts == 0, tuner.trials
     first = [w for e, w in workers.seen if e == 0]
     assert first[0] == 1 and max(first) > 1
 

@@ -436,7 +436,7 @@ def test_a_carried_iterator_is_what_iter_returns_for_persistent_and_new_iterator
             assert dl._iterator is None
             fresh = iter(dl)  # nothing offered: PyTorch's own iterator
             assert fresh is not carried and next(fresh).tolist() == [0, 1]
-            _lightning.shutdown_unless_held(dl, fresh)  # a persistent loader holds it: it resets it next epoch
+            _lightning.shutdown_unless_owned(dl, fresh)  # a persistent loader holds it: it resets it next epoch
             assert fresh._shutdown is not persistent
             _lightning.shutdown_iterator(fresh)
         finally:

@@ -257,10 +257,12 @@ def test_a_few_workers_read_stand_for_all_and_a_window_closing_without_a_reading
     assert watch.sample().workers == 16 and read[-1] == pids  # all of them, asked for all
     watch.take()
     assert len(read) == 3  # the window had the thread's reading
-    watch.take(fresh=False)  # no decision waits on it (tuning ended): the latest reading of the same workers stands
-    assert len(read) == 3 and watch.take(fresh=True).samples == 1 and read[-1] == [4, 5]
+    watch.take(
+        decision_waits=False
+    )  # no decision waits on it (tuning ended): the latest reading of the same workers stands
+    assert len(read) == 3 and watch.take(decision_waits=True).samples == 1 and read[-1] == [4, 5]
     pids[:] = [1, 2, 3]  # other workers: read, fresh or not
-    assert watch.take(fresh=False).samples == 1 and read[-1] == [1, 2]
+    assert watch.take(decision_waits=False).samples == 1 and read[-1] == [1, 2]
 
 
 def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_batch_taken():

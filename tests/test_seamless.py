@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.cache import FINGERPRINT_SAMPLES
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
 from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
 
 from helpers import make_trainer
@@ -294,7 +294,7 @@ def test_a_switch_inside_an_epoch_leaves_the_generator_as_a_run_without_it(at):
     first = DataLoader(data, batch_sampler=sampler, num_workers=1, prefetch_factor=1, generator=g)
     second = DataLoader(data, batch_sampler=sampler, num_workers=4, generator=g)
     switch = lambda loader: second if loader is first and guard.position == at else None  # noqa: E731
-    guard = GuardedIterator(first, iter(first), switch, lambda *a: None, lambda it: None)
+    guard = GuardedIterator(first, iter(first), GuardHooks(replace=switch))
     epoch0 = [int(i) for batch in guard for i in batch]
     assert guard.loader is second and sampler.advance()
     epoch1 = [int(i) for batch in islice(guard.inner, 8) for i in batch]
