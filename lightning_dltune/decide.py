@@ -17,17 +17,19 @@ wait, and ``B`` is at least the GPU's time per step: a host that waits while the
 When host-to-device copies take more than ``stall_threshold`` of the GPU's time and the loader does not pin its
 batches, ``pin_memory=True`` is tried, and kept only if it is measurably faster.
 
-Each decision jumps to the predicted worker count (with headroom), then verifies it with the next trial.
-Tuning stops when the stall is below the threshold, when the last change did not pay, when the CPU budget
-is reached, or when the trial budget is spent; the settled config is the cheapest one within measured noise
-of the fastest, so it is never measurably slower than the user's starting config.
+Each decision jumps to the predicted worker count (with headroom), then verifies it with the next trial. The
+decision is an ordered table of named rules (:data:`RULES`, then :data:`SETTLE_OVERRIDES` for a settle), each a small
+function of one :class:`Situation`; the rule that decides names the decision. The settled config is the cheapest one
+within measured noise of the fastest, so it is never measurably slower than the user's starting config. What bounds
+training is said by the first of :data:`DIAGNOSES` that applies. Each rule's evidence: ``docs/how-it-decides.md``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 from lightning_dltune import memory
@@ -77,6 +79,10 @@ class Policy:
     # samples of a start-up batch loaded in the training process, timed one by one, enough to take that step as a
     # steady one (`steady_from_the_start`)
     startup_samples: int = 8
+    # what a deeper prefetch is predicted to take off a bursty or held-up wait (a guess: about half), and pinned
+    # memory off a host-to-device copy (pinned copies run about twice as fast)
+    prefetch_absorbs: float = 0.5
+    pinned_copy_saves: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Trial:
     stats: WindowStats
     failed: str | None = None
     decision: str = ""
+    rule: str = ""  # the rule that made the decision (see `RULES`), "" before one was taken
 
     @property
     def usable(self) -> bool:
@@ -201,6 +208,7 @@ class Decision:
     reason: str
     failed: str | None = None
     probe_memory: bool = field(default=False, compare=False)  # the next window is there to read the workers' memory
+    rule: str = field(default="", compare=False)  # the rule that made it (see `RULES`)
 
 
 def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Estimate:
@@ -212,7 +220,32 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     s = last.stats
     # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
     busy = max(_host_busy(last), s.mean_gpu_busy_s)
-    # (estimate or bound, 90th percentile of the batch time where it was measured)
+    batch, sized, uncontended = _batch_times(usable, policy)
+    cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
+    cpu_per_batch = min(cpu_per_batch, uncontended)
+    # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
+    # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
+    worker_cpus = max(1.0, budget.cpus)
+    needed = math.ceil(policy.headroom * sized / busy) if busy > 0 else budget.max_workers
+    if cpu_per_batch > 0.02 * uncontended:
+        cpu_cap = max(1, math.floor(worker_cpus * uncontended / cpu_per_batch + 1e-9))
+    else:  # waiting on I/O: the CPUs do not limit the worker count
+        cpu_cap = max(budget.max_workers, needed)
+    est = Estimate(
+        batch_s=batch,
+        batch_tail_s=sized,
+        busy_s=busy,
+        cpu_per_batch_s=cpu_per_batch,
+        worker_cpus=worker_cpus,
+        needed_workers=max(1, needed),
+        cpu_cap_workers=cpu_cap,
+    )
+    return _with_memory_caps(est, trials, usable, budget, policy)
+
+
+def _batch_times(usable: Sequence[Trial], policy: Policy) -> tuple[float, float, float]:
+    """A batch's production time (the tightest bound over the history), what the workers are sized on (its 90th
+    percentile where it was measured), and the least time measured (what the CPUs can feed is read on it)."""
     bounds: list[tuple[float, float]] = []
     glimpses: list[tuple[float, float]] = []
     for t in usable:
@@ -224,53 +257,47 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
             (bounds if t.stats.steps >= policy.min_steps else glimpses).append(seen)
         elif t.stats.effective_stall_frac > policy.stall_threshold / 2:
             bounds.append((w * t.stats.mean_wall_s, 0.0))
-    fallback = last.settings.num_workers * s.mean_wall_s
-    # what the CPUs can feed is read on the least time measured: workers that wait for the CPUs stretch it (a
-    # glimpse that missed slow batches waiting on I/O reads it low too: the CPU cap errs towards fewer workers)
+    last = usable[-1]
+    fallback = last.settings.num_workers * last.stats.mean_wall_s
+    # workers that wait for the CPUs stretch the time (a glimpse that missed slow batches waiting on I/O reads it
+    # low too: the CPU cap errs towards fewer workers)
     uncontended = min((b for b, _ in bounds + glimpses), default=fallback)
     bounds = bounds or glimpses
     batch = min((b for b, _ in bounds), default=fallback)
-    # The loader hands batches over in order, so one slow batch stalls training even while the other workers
-    # have theirs ready: the workers must cover the slow batches' time, not only the mean. Waits at 0 workers
-    # are whole batch times; their 90th percentile sizes the workers (tf.data sizes on the mean: it has no order)
+    # batches are handed over in order, so one slow batch stalls training even while the other workers have theirs
+    # ready: the workers must cover the slow batches' time, not only the mean (tf.data sizes on the mean: it has no
+    # order)
     sized = max(batch, max((p90 for _, p90 in bounds), default=0.0))
-    cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
-    cpu_per_batch = min(cpu_per_batch, uncontended)
-    # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
-    # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
-    worker_cpus = max(1.0, budget.cpus)
-    needed = math.ceil(policy.headroom * sized / busy) if busy > 0 else budget.max_workers
-    if cpu_per_batch > 0.02 * uncontended:
-        cpu_cap = max(1, math.floor(worker_cpus * uncontended / cpu_per_batch + 1e-9))
-    else:  # waiting on I/O: the CPUs do not limit the worker count
-        cpu_cap = max(budget.max_workers, needed)
+    return batch, sized, uncontended
+
+
+def _with_memory_caps(
+    est: Estimate, trials: Sequence[Trial], usable: Sequence[Trial], budget: Budget, policy: Policy
+) -> Estimate:
+    """``est`` with what the memory and /dev/shm budgets allow: the workers' measured (or prior) memory, the most
+    workers that fit, and the batches in flight /dev/shm holds."""
+    last = usable[-1]
+    s = last.stats
     batch_bytes = max((t.stats.batch_bytes for t in usable), default=0.0)
     mem, measured = worker_memory(trials, policy)
     ceiling = max((t.stats.main_mem_bytes for t in trials), default=0.0) or None
     life = life_batches(last.settings, s.epoch_batches)
-    pf = last.settings.prefetch_factor or 2
-    flight = memory.in_flight_bytes(batch_bytes, pf, last.settings.pin_memory)
+    flight = memory.in_flight_bytes(batch_bytes, last.settings.prefetch_factor or 2, last.settings.pin_memory)
     mem_cap = safe = None
     per_worker = mem.base_bytes
     if budget.memory_bytes is not None and ceiling is not None:
         safe = memory.safe_workers(ceiling, budget.memory_bytes, flight)
-    # unmeasured, with the ceiling known, the workers are measured before a far jump (see decide); the prior
-    # caps only a run that cannot say what its process holds
+    # unmeasured, with the ceiling known, the workers are measured before a far jump (see decide); the prior caps
+    # only a run that cannot say what its process holds
     if budget.memory_bytes is not None and (measured or ceiling is None):
-        limit = max(budget.max_workers, needed, 1)
+        limit = max(budget.max_workers, est.needed_workers, 1)
         mem_cap = memory.max_workers(mem, budget.memory_bytes, life, ceiling, flight, limit)
         per_worker = memory.worker_bytes(mem, max(1, mem_cap), life, ceiling)
     shm_cap = None
     if budget.shm_bytes is not None and batch_bytes > 0:
         shm_cap = int(budget.shm_bytes * policy.shm_fraction // batch_bytes)
-    return Estimate(
-        batch_s=batch,
-        batch_tail_s=sized,
-        busy_s=busy,
-        cpu_per_batch_s=cpu_per_batch,
-        worker_cpus=worker_cpus,
-        needed_workers=max(1, needed),
-        cpu_cap_workers=cpu_cap,
+    return replace(
+        est,
         mem_cap_workers=mem_cap,
         shm_cap_slots=shm_cap,
         worker_mem_bytes=per_worker,
@@ -358,17 +385,36 @@ def enforce_memory(
         f"{cur.describe()} went {over}: {memory.describe_growth(mem, life, cur.num_workers)}; "
         f"{fit} workers are predicted to fit"
     )
-    return Decision("try" if tuning else "settle", cand, reason, failed=over)
+    return Decision("try" if tuning else "settle", cand, reason, failed=over, rule="over_memory_budget")
 
 
-def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, str]:
-    """The most workers every budget allows at ``prefetch``, and the budget that binds."""
-    caps = [(budget.max_workers, f"max_workers={budget.max_workers}"), (est.cpu_cap_workers, "the CPU budget")]
+Bound = Literal["max_workers", "cpu", "memory", "shm"]
+
+
+def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, Bound]:
+    """The most workers every budget allows at ``prefetch``, and the budget that binds (the first listed on a tie:
+    ``max_workers``, the CPUs, memory, /dev/shm)."""
+    caps: list[tuple[int, Bound]] = [(budget.max_workers, "max_workers"), (est.cpu_cap_workers, "cpu")]
     if est.mem_cap_workers is not None:
-        caps.append((est.mem_cap_workers, f"the memory budget ({est.worker_mem_bytes / 2**20:.0f} MiB per worker)"))
+        caps.append((est.mem_cap_workers, "memory"))
     if est.shm_cap_slots is not None:
-        caps.append((est.shm_cap_slots // max(1, prefetch), "the shared memory (/dev/shm) budget"))
+        caps.append((est.shm_cap_slots // max(1, prefetch), "shm"))
     return min(caps, key=lambda c: c[0])
+
+
+def bound_words(bound: Bound, est: Estimate, budget: Budget) -> str:
+    """The budget ``bound`` in words, as the decisions and the diagnosis say it."""
+    if bound == "max_workers":
+        return f"max_workers={budget.max_workers}"
+    if bound == "memory":
+        return f"the memory budget ({est.worker_mem_bytes / 2**20:.0f} MiB per worker)"
+    return "the CPU budget" if bound == "cpu" else "the shared memory (/dev/shm) budget"
+
+
+def predict_step_s(est: Estimate, load_s: float, hand_s: float = 0.0) -> float:
+    """The model's step time on a config whose loader delivers a batch every ``load_s``: the step's busy time (with
+    ``hand_s`` to receive each batch from a worker, from 0 workers) or the loader's pace, whichever is longer."""
+    return max(est.busy_s + hand_s, load_s)
 
 
 def pick_best(trials: Sequence[Trial], policy: Policy = Policy(), memory_limit: int | None = None) -> Trial:
@@ -518,20 +564,10 @@ def stalled_from_the_start(trials: Sequence[Trial], budget: Budget, policy: Poli
 
 def steady_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> WindowStats:
     """A window at 0 workers that has only its start-up step, as one steady step where that step's samples show it
-    is one (else ``stats`` as it is).
-
-    At 0 workers the start-up step loads its batch in the training process as every later step does; what can set
-    it apart is a slow first sample (a file or a connection opened lazily) and the model's warm-up. Its batch was
-    timed sample by sample (``WindowStats.startup_samples``, at least ``policy.startup_samples``): the batch's wait is
-    taken as its samples' count times the mean of all but the first (a first sample that opened a file lazily
-    counts at the others' mean), two standard errors of that mean (widened for the samples it comes from) low, and
-    never above the step's whole wait. What the first fetch spends beside its samples (drawing the epoch's order,
-    the first collation) is left out: the wait reads low, not high. The busy time stays the step's own, warm-up and
-    all, an upper bound, and the samples are the step's own count (as every window counts them). The window is
-    then one steady step of that wait and that busy time, its start-up step the same (no spread between them), and
-    :func:`stalled_from_the_start` judges it as it judges one steady step: only a plain stall whose model already
-    asks for ``max_workers``, which a shorter step could only raise, switches there, a batch (a whole production
-    time at 0 workers) sooner. The timer's own window is not changed: the next steps are added to it as ever."""
+    is one (else ``stats`` as it is): its batch, timed sample by sample (at least ``policy.startup_samples``), waited
+    its samples' count times the mean of all but the first (a file opened lazily shows in the first), two standard
+    errors low and never above the step's whole wait; its busy time is the step's own, warm-up and all. The timer's
+    window is not changed. Why and what showed it: ``docs/how-it-decides.md`` (``too_few_steps``)."""
     n, rest, samples = stats.startup_samples, stats.startup_samples - 1, stats.startup_step_samples
     if stats.steps != 0 or n < max(3, policy.startup_samples) or stats.startup_wait_s <= 0 or samples <= 0:
         return stats
@@ -660,6 +696,330 @@ def _bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:
     return stats.wait_p90_s > policy.burst_ratio * stats.wait_p50_s and stats.wait_p90_s > 0.25 * busy
 
 
+class Situation:
+    """What the rules read (see :data:`RULES`): the trials, the budgets and the run, and what the model makes of
+    them, each computed once, when a rule first asks."""
+
+    def __init__(
+        self,
+        trials: Sequence[Trial],
+        budget: Budget,
+        policy: Policy,
+        remaining_steps: int | None = None,
+        probed: bool = False,
+        in_epoch: bool = False,
+        in_place: bool = False,
+        memory_limit: int | None = None,
+    ) -> None:
+        self.trials, self.budget, self.policy, self.remaining = trials, budget, policy, remaining_steps
+        self.probed, self.in_epoch, self.in_place, self.memory_limit = probed, in_epoch, in_place, memory_limit
+        self.last = trials[-1]
+        self.usable = [t for t in trials if t.usable]
+        self.cur, self.w = self.last.settings, self.last.settings.num_workers
+        self.tried = {t.settings for t in trials}
+        self.stall = self.last.stats.effective_stall_frac
+
+    @cached_property
+    def picked(self) -> Trial:
+        """The best measured config (:func:`pick_best`)."""
+        return pick_best(self.trials, self.policy, self.memory_limit)
+
+    @cached_property
+    def staying(self) -> tuple[Trial, str, bool]:
+        """The config a settle lands on, why it stays on the running one, and whether only for the steps left
+        (:func:`stay_on_running`)."""
+        return stay_on_running(self.trials, self.picked, self.policy, self.in_place, self.remaining, self.in_epoch)
+
+    @cached_property
+    def est(self) -> Estimate:
+        return estimate(self.trials, self.budget, self.policy)
+
+    @cached_property
+    def hand(self) -> float:
+        """What receiving a batch from a worker costs a step, from 0 workers (:func:`handover_s`)."""
+        return handover_s(self.trials, self.policy) if self.w == 0 else 0.0
+
+    @cached_property
+    def cap(self) -> tuple[int, Bound]:
+        """The most workers every budget allows at the running prefetch, and the budget that binds."""
+        return worker_cap(self.est, self.budget, self.cur.prefetch_factor or 2)
+
+    @cached_property
+    def sized(self) -> int:
+        """The workers the model asks for, within the budgets."""
+        return min(self.cap[0], self.est.needed_workers)
+
+    @cached_property
+    def deeper(self) -> LoaderSettings | None:
+        """The running config with twice its prefetch, where that may be tried (``None``: not). Not past the
+        budgets' prefetch, /dev/shm or memory cap, nor where the CPUs are what the loader waits for: loading
+        further ahead does not add CPU time."""
+        w, est, cur = self.w, self.est, self.cur
+        if w == 0 or (cur.prefetch_factor or 0) >= self.budget.max_prefetch or est.cpu_bound:
+            return None
+        deeper = cur.with_prefetch(min(self.budget.max_prefetch, 2 * (cur.prefetch_factor or 1)))
+        if deeper in self.tried or (est.shm_cap_slots is not None and deeper.batches_in_flight > est.shm_cap_slots):
+            return None
+        return None if est.mem_cap_workers is not None and w >= est.mem_cap_workers else deeper
+
+    def try_(self, rule: str, cand: LoaderSettings, gain_s: float, reason: str) -> Decision:
+        """A trial of ``cand``, predicted to save ``gain_s`` a step; held where that does not pay for its start over
+        the steps left (:func:`_wasted`)."""
+        if (cand.prefetch_factor or 0) > self.budget.max_prefetch:  # from 0 workers: PyTorch's default 2
+            cand = cand.with_prefetch(self.budget.max_prefetch)
+        wasted = _wasted(self.trials, cand, gain_s, self.remaining, self.policy, self.in_epoch, self.in_place)
+        if wasted:
+            return Decision("hold", cand, wasted, rule="start_costs_more")
+        return Decision("try", cand, reason, rule=rule)
+
+    def settle(self, rule: str, reason: str) -> Decision:
+        """A settle on the best config (see :data:`SETTLE_OVERRIDES`)."""
+        return Decision("settle", self.picked.settings, reason, rule=rule)
+
+
+# --- the rules that judge a window, in order: each returns a decision or passes (None) ------------------------------
+def too_few_steps(s: Situation) -> Decision | None:
+    """A window shorter than ``min_steps`` is measured on, unless it can be judged early (:func:`judged_early`)."""
+    last, policy = s.last, s.policy
+    if last.failed is None and last.stats.steps < policy.min_steps and not judged_early(s.trials, policy, s.budget):
+        reason = f"{last.stats.steps} steps measured, need {policy.min_steps}"
+        return Decision("measure", last.settings, reason, rule="too_few_steps")
+    return None
+
+
+def nothing_measured(s: Situation) -> Decision | None:
+    """With no usable window, the starting config stays."""
+    if s.usable:
+        return None
+    reason = "no config could be measured; keeping the starting config"
+    return Decision("settle", s.trials[0].settings, reason, rule="nothing_measured")
+
+
+def config_failed(s: Situation) -> Decision | None:
+    """A config that failed is left for the best measured one."""
+    if s.last.failed is None:
+        return None
+    reason = f"{s.last.settings.describe()} failed ({s.last.failed})"
+    return Decision("settle", s.picked.settings, reason, rule="config_failed")
+
+
+def stall_below_threshold(s: Situation) -> Decision | None:
+    """A stall within ``stall_threshold`` is what the tuner aims for: it settles."""
+    if s.stall > s.policy.stall_threshold:
+        return None
+    seen = "the GPU's idle gap" if s.last.stats.gpu_stall_frac is not None else "stall"
+    return s.settle(
+        "stall_below_threshold", f"{seen} {s.stall:.1%} is below the {s.policy.stall_threshold:.0%} threshold"
+    )
+
+
+def trials_spent(s: Situation) -> Decision | None:
+    """After ``max_trials`` windows it settles."""
+    if len(s.trials) < s.policy.max_trials:
+        return None
+    return s.settle("trials_spent", f"tuning budget of {s.policy.max_trials} trials spent")
+
+
+def change_did_not_pay(s: Situation) -> Decision | None:
+    """A change not ``min_gain`` faster than the fastest other config measured stops the search (not after a
+    window that was there to read memory)."""
+    last, policy = s.last, s.policy
+    earlier = [t for t in s.usable[:-1] if t.settings != last.settings]
+    if not earlier or s.probed:
+        return None
+    prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
+    if faster_by(prev, last)[0] >= policy.min_gain * prev.compared_sec_per_sample:
+        return None
+    what = "more workers stopped paying"
+    if last.settings.pin_memory != prev.settings.pin_memory:
+        what = "pinned memory did not pay"
+    elif prev.settings.only_prefetch_differs(last.settings):
+        what = "deeper prefetch did not pay"
+    reason = f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than {prev.settings.describe()}: {what}"
+    return s.settle("change_did_not_pay", reason)
+
+
+def running_outgrows_memory(s: Situation) -> Decision | None:
+    """Workers predicted to outgrow the memory budget within their life settle at once on the most that fit."""
+    outgrown = _outgrown(s.est, s.cur, s.budget)
+    return None if outgrown is None else replace(outgrown, rule="running_outgrows_memory")
+
+
+def handover_eats_the_gain(s: Situation) -> Decision | None:
+    """From 0 workers, where receiving each batch from a worker would cost most of the wait, workers cannot pay."""
+    last, policy = s.last, s.policy
+    hideable = max(0.0, s.stall - s.hand / last.stats.mean_wall_s)
+    if s.w != 0 or hideable > policy.stall_threshold:
+        return None
+    return s.settle(
+        "handover_eats_the_gain",
+        f"a batch takes {last.stats.mean_wait_s * 1e3:.2f} ms to load in the training process and about "
+        f"{s.hand * 1e3:.2f} ms to receive from a worker: workers could hide at most {hideable:.1%} of the time, "
+        f"within the {policy.stall_threshold:.0%} threshold",
+    )
+
+
+def bursty_waits(s: Situation) -> Decision | None:
+    """Once the workers reach the model's count, bursty waits (p90 far above the median) try deeper prefetch."""
+    last, est = s.last, s.est
+    if s.deeper is None or not (s.w >= s.sized or s.cur.with_workers(s.sized) in s.tried):
+        return None
+    if not _bursty(last.stats, est.busy_s, s.policy):
+        return None
+    return s.try_(
+        "bursty_waits",
+        s.deeper,
+        s.policy.prefetch_absorbs * last.stats.mean_wait_s,
+        f"waits are bursty (p90 {last.stats.wait_p90_s * 1e3:.1f} ms vs median {last.stats.wait_p50_s * 1e3:.1f} ms): "
+        "deeper prefetch",
+    )
+
+
+def past_the_cpu_cap(s: Situation) -> Decision | None:
+    """Where the CPU budget alone stops the model and the workers used under 90% of the CPUs, twice the workers
+    are tried once (:func:`_past_the_cpu_cap`)."""
+    if s.sized > s.w:
+        return None
+    past = _past_the_cpu_cap(s.trials, s.est, s.budget, s.cap[1])
+    if past is None:
+        return None
+    cand, used = past
+    est = s.est
+    predicted = predict_step_s(est, est.cpu_per_batch_s / min(est.worker_cpus, 2 * used))
+    return s.try_(
+        "past_the_cpu_cap",
+        cand,
+        s.last.stats.mean_wall_s - predicted,
+        f"the CPU budget caps the model at {s.w} workers, but they used {used:.1f} of the {est.worker_cpus:.0f} "
+        f"CPUs while training waited {s.stall:.0%} of the time: the CPUs are shared with the training process, "
+        f"and {cand.num_workers} workers measure what they get",
+    )
+
+
+def slow_batches_hold_up(s: Situation) -> Decision | None:
+    """With no more workers to add, where the workers load the mean batch faster than the step takes it, training
+    still waits on batches that come back late: deeper prefetch absorbs that."""
+    est, bound = s.est, s.cap[1]
+    if s.sized > s.w or s.deeper is None:
+        return None
+    covers_mean = s.w * est.busy_s >= est.batch_s
+    if not (est.needed_workers <= s.w or (bound == "max_workers" and covers_mean)):
+        return None
+    words = bound_words(bound, est, s.budget)
+    why = f"{est.needed_workers} needed" if est.needed_workers <= s.w else f"{words}; the mean batch needs fewer"
+    return s.try_(
+        "slow_batches_hold_up",
+        s.deeper,
+        s.policy.prefetch_absorbs * s.last.stats.mean_wait_s,
+        f"{s.w} workers load a batch every {est.batch_s / s.w * 1e3:.1f} ms on average and the step takes "
+        f"{est.busy_s * 1e3:.1f} ms ({why}), yet training waited {s.stall:.0%} of the time: slow batches hold up "
+        "the hand-over; deeper prefetch",
+    )
+
+
+def no_more_workers(s: Situation) -> Decision | None:
+    """Where the budgets (or the model) allow no more workers than run, it settles."""
+    if s.sized > s.w:
+        return None
+    why = bound_words(s.cap[1], s.est, s.budget)
+    if s.est.needed_workers <= s.w:
+        why = "the model (the wait is not from too few workers)"
+    return s.settle("no_more_workers", f"no more workers to add within {why}")
+
+
+def already_measured(s: Situation) -> Decision | None:
+    """The model's count, already measured, is not tried again: it settles."""
+    cand = s.cur.with_workers(_measure_memory_first(s.est, s.budget, s.w, s.sized) or s.sized)
+    if cand not in s.tried:
+        return None
+    return s.settle("already_measured", f"{cand.describe()} was already measured")
+
+
+def jump_to_the_model(s: Situation) -> Decision | None:
+    """The model's count, within the budgets, is tried next (a smaller one first where a worker's memory was not
+    read yet and the count would not fit if each came to hold what this process holds)."""
+    est, budget, cap = s.est, s.budget, s.cap[0]
+    first = _measure_memory_first(est, budget, s.w, s.sized)
+    target = first or s.sized
+    limit = f" (capped at {target} by {bound_words(s.cap[1], est, budget)})" if target < est.needed_workers else ""
+    if first is not None:
+        assert budget.memory_bytes is not None and est.safe_workers is not None
+        full = min(est.needed_workers, cap)
+        limit = (
+            f"; {first} first, to measure a worker's memory before going to {full}: {full} workers fit the "
+            f"{budget.memory_bytes / MiB:.0f} MiB budget only if each holds under "
+            f"{budget.memory_bytes / full / MiB:.0f} MiB, and a worker can come to hold this process's "
+            f"{est.mem_ceiling_bytes / MiB:.0f} MiB"
+        )
+    predicted = predict_step_s(est, est.batch_s / target, s.hand)
+    decision = s.try_(
+        "jump_to_the_model",
+        s.cur.with_workers(target),
+        s.last.stats.mean_wall_s - predicted,
+        f"a batch takes {est.batch_s * 1e3:.1f} ms to load{_slowest(est)} and the step {est.busy_s * 1e3:.1f} "
+        f"ms: {est.needed_workers} workers hide it{limit}",
+    )
+    return replace(decision, probe_memory=first is not None)
+
+
+Rule = Callable[[Situation], "Decision | None"]
+# the rules that judge a window, in the order they are asked; the first that decides makes the decision
+RULES: tuple[Rule, ...] = (
+    too_few_steps,
+    nothing_measured,
+    config_failed,
+    stall_below_threshold,
+    trials_spent,
+    change_did_not_pay,
+    running_outgrows_memory,
+    handover_eats_the_gain,
+    bursty_waits,
+    past_the_cpu_cap,
+    slow_batches_hold_up,
+    no_more_workers,
+    already_measured,
+    jump_to_the_model,
+)
+# the rules whose settle lands where it does whatever follows (the others' pass through SETTLE_OVERRIDES)
+FINAL = frozenset({"nothing_measured", "config_failed", "running_outgrows_memory"})
+
+
+# --- what a settle becomes: each returns another decision or passes -------------------------------------------------
+def settle_within_memory(s: Situation, settle: Decision) -> Decision | None:
+    """Never settle on workers predicted to outgrow the memory budget, whatever made the tuner settle."""
+    best = s.staying[0]
+    if s.budget.memory_bytes is None or best.settings.num_workers == 0 or not any(map(_read_workers, s.trials)):
+        return None
+    outgrown = _outgrown(s.est, best.settings, s.budget)
+    return None if outgrown is None else replace(outgrown, rule="settle_within_memory")
+
+
+def pinned_memory_first(s: Situation, settle: Decision) -> Decision | None:
+    """Before settling, try pinned memory where host-to-device copies take a share of the GPU's time."""
+    best = s.staying[0]
+    pin = None if len(s.trials) >= s.policy.max_trials else _pin_trial(s.trials, best, s.budget, s.policy)
+    gain = s.policy.pinned_copy_saves * best.stats.gpu.mean_copy_s
+    if pin is None or _wasted(s.trials, pin.settings, gain, s.remaining, s.policy, s.in_epoch, s.in_place):
+        return None
+    return replace(pin, rule="pinned_memory_first")
+
+
+def keep_running_config(s: Situation, settle: Decision) -> Decision | None:
+    """Stay on the running config where going back to the best one would restart workers for nothing (it is as
+    fast), or for less than the restart costs over the steps left (then a hold: the best is the result)."""
+    best, staying, for_the_steps_left = s.staying
+    if for_the_steps_left:
+        return Decision("hold", s.picked.settings, f"{settle.reason}; {staying}", rule="keep_running_config")
+    if staying:
+        reason = f"{settle.reason}; staying on {best.settings.describe()}: {staying}"
+        return replace(settle, settings=best.settings, reason=reason, rule="keep_running_config")
+    return None
+
+
+SettleOverride = Callable[[Situation, Decision], "Decision | None"]
+SETTLE_OVERRIDES: tuple[SettleOverride, ...] = (settle_within_memory, pinned_memory_first, keep_running_config)
+
+
 def decide(
     trials: Sequence[Trial],
     budget: Budget,
@@ -670,193 +1030,33 @@ def decide(
     in_place: bool = False,
     memory_limit: int | None = None,
 ) -> Decision:
-    """What to do after the last trial: keep measuring it, try another config, or settle.
+    """What to do after the last trial: keep measuring it, try another config, settle, or hold. The first of
+    :data:`RULES` that decides makes the decision (its name is ``Decision.rule``); a settle then passes through
+    :data:`SETTLE_OVERRIDES`, unless its rule is :data:`FINAL`.
 
     ``probed``: the last trial was a smaller config tried to read its workers' memory before a far jump (see
     ``Decision.probe_memory``); it was not expected to pay, so it not paying does not settle.
-
-    ``remaining_steps`` (``None``: unknown) is how many training steps are left. When it is known, a config is
-    only tried if the time it is predicted to save over those steps exceeds what starting its workers costs
-    (measured per worker on earlier trials, ``Policy.startup_prior_s`` before that). Otherwise the decision is
-    ``"hold"``: stay on the current config for the rest of this run, with the config that would be tried next
-    in ``settings`` (a longer or resumed run may still want it; it is not a measured result to settle on).
-    ``in_epoch``: the switch would happen inside an epoch on one process, where a config with more workers than
-    a running one with workers starts in the background and costs less (see :func:`restart_cost_s`).
-    ``in_place``: the loader switcher changes the running loader (PyTorch's own workers): a change of
-    ``prefetch_factor`` alone is made on the running workers, so it costs no restart, and more workers start beside
-    the running ones, so only they cost their start (see :func:`restart_cost_s`). ``memory_limit``: see
-    :func:`pick_best`.
+    ``remaining_steps`` (``None``: unknown): training steps left. A config is tried only where the time it is
+    predicted to save over them exceeds what starting its workers costs (:func:`restart_cost_s`); otherwise the
+    decision is ``"hold"``: stay on the current config for the rest of this run, with the config that would be
+    tried next in ``settings``. ``in_epoch``: the switch would happen inside an epoch on one process, where more
+    workers start in the background. ``in_place``: a change of ``prefetch_factor`` alone is made on the running
+    workers, and more workers start beside them. ``memory_limit``: see :func:`pick_best`.
 
     Raises:
         ValueError: if ``trials`` is empty.
     """
     if not trials:
         raise ValueError("`trials` is empty; measure the starting config first.")
-    last = trials[-1]
-    usable = [t for t in trials if t.usable]
-    if last.failed is None and last.stats.steps < policy.min_steps and not judged_early(trials, policy, budget):
-        return Decision("measure", last.settings, f"{last.stats.steps} steps measured, need {policy.min_steps}")
-    if not usable:
-        start = trials[0].settings
-        return Decision("settle", start, "no config could be measured; keeping the starting config")
-    best = pick_best(trials, policy, memory_limit)
-    if last.failed is not None:
-        return Decision("settle", best.settings, f"{last.settings.describe()} failed ({last.failed})")
-    chosen = best
-    best, staying, for_the_steps_left = stay_on_running(trials, best, policy, in_place, remaining_steps, in_epoch)
-
-    budget_spent = len(trials) >= policy.max_trials
-
-    def settle(reason: str, est: Estimate | None = None) -> Decision:
-        # never on workers predicted to outgrow the memory budget (whatever made the tuner settle)
-        if budget.memory_bytes is not None and best.settings.num_workers > 0 and any(map(_read_workers, trials)):
-            outgrown = _outgrown(est or estimate(trials, budget, policy), best.settings, budget)
-            if outgrown is not None:
-                return outgrown
-        # before settling, see whether pinned memory would shorten the copies the GPU waits for
-        pin = None if budget_spent else _pin_trial(trials, best, budget, policy)
-        gain = 0.5 * best.stats.gpu.mean_copy_s  # pinned copies: about twice as fast
-        if pin is not None and _wasted(trials, pin.settings, gain, remaining_steps, policy, in_epoch, in_place) is None:
-            return pin
-        if for_the_steps_left:  # the run stays on the running config; the one measured faster is the result
-            return Decision("hold", chosen.settings, f"{reason}; {staying}")
-        if staying:
-            reason += f"; staying on {best.settings.describe()}: {staying}"
-        return Decision("settle", best.settings, reason)
-
-    def try_(cand: LoaderSettings, gain_s: float, reason: str) -> Decision:
-        if (cand.prefetch_factor or 0) > budget.max_prefetch:  # a count from 0 workers comes with PyTorch's default 2
-            cand = cand.with_prefetch(budget.max_prefetch)
-        wasted = _wasted(trials, cand, gain_s, remaining_steps, policy, in_epoch, in_place)
-        return Decision("hold", cand, wasted) if wasted else Decision("try", cand, reason)
-
-    stall = last.stats.effective_stall_frac
-    if stall <= policy.stall_threshold:
-        seen = "the GPU's idle gap" if last.stats.gpu_stall_frac is not None else "stall"
-        return settle(f"{seen} {stall:.1%} is below the {policy.stall_threshold:.0%} threshold")
-    if budget_spent:
-        return settle(f"tuning budget of {policy.max_trials} trials spent")
-    earlier = [t for t in usable[:-1] if t.settings != last.settings]
-    if earlier and not probed:
-        prev = min(earlier, key=lambda t: t.compared_sec_per_sample)
-        if faster_by(prev, last)[0] < policy.min_gain * prev.compared_sec_per_sample:
-            what = "more workers stopped paying"
-            if last.settings.pin_memory != prev.settings.pin_memory:
-                what = "pinned memory did not pay"
-            elif prev.settings.only_prefetch_differs(last.settings):
-                what = "deeper prefetch did not pay"
-            return settle(
-                f"{last.settings.describe()} was not {policy.min_gain:.0%} faster than "
-                f"{prev.settings.describe()}: {what}"
-            )
-
-    est = estimate(trials, budget, policy)
-    cur = last.settings
-    tried = {t.settings for t in trials}
-    w = cur.num_workers
-    outgrown = _outgrown(est, cur, budget)
-    if outgrown is not None:
-        return outgrown
-    hand = handover_s(trials, policy) if w == 0 else 0.0
-    hideable = max(0.0, stall - hand / last.stats.mean_wall_s)  # workers hand each batch over in the step's time
-    if w == 0 and hideable <= policy.stall_threshold:
-        return settle(
-            f"a batch takes {last.stats.mean_wait_s * 1e3:.2f} ms to load in the training process and about "
-            f"{hand * 1e3:.2f} ms to receive from a worker: workers could hide at most {hideable:.1%} of the time, "
-            f"within the {policy.stall_threshold:.0%} threshold",
-        )
-    cap, binding = worker_cap(est, budget, cur.prefetch_factor or 2)
-    can_prefetch = w > 0 and (cur.prefetch_factor or 0) < budget.max_prefetch
-    # Deeper prefetch lets each worker load ahead while a slow batch holds up the in-order hand-over; more workers
-    # load more batches at once, which is what hides a wait on storage. So workers come first, up to what the model
-    # sizes with its headroom (the bursty benchmark: 11 workers on a bursty wait went to prefetch 4, which did not
-    # pay, and settled there, where 16 workers are the best static config). Prefetch comes once the workers reach
-    # that count, or where it was measured already
-    sized = min(cap, est.needed_workers)
-    deeper = cur.with_prefetch(min(budget.max_prefetch, 2 * (cur.prefetch_factor or 1))) if can_prefetch else cur
-    # a deeper prefetch holds more batches in /dev/shm, and at the memory budget's worker count it is not tried:
-    # workers that load further ahead grow sooner (copy-on-read), and the count was sized on the current prefetch
-    # nor where the CPUs are what the loader waits for (the model's count is past what they keep busy): a CPU-bound
-    # loader's waits are the CPUs' shares, which loading further ahead does not add (the CPU-bound benchmark: 4
-    # workers on 2 CPUs, prefetch 4 took 23.4 ms a step against 18.6)
-    can_deepen = (
-        can_prefetch
-        and not est.cpu_bound
-        and deeper not in tried
-        and (est.shm_cap_slots is None or deeper.batches_in_flight <= est.shm_cap_slots)
-        and (est.mem_cap_workers is None or w < est.mem_cap_workers)
-    )
-    if can_deepen and (w >= sized or cur.with_workers(sized) in tried) and _bursty(last.stats, est.busy_s, policy):
-        return try_(
-            deeper,
-            0.5 * last.stats.mean_wait_s,  # a guess: deeper prefetch absorbs about half of a bursty wait
-            f"waits are bursty (p90 {last.stats.wait_p90_s * 1e3:.1f} ms vs median "
-            f"{last.stats.wait_p50_s * 1e3:.1f} ms): deeper prefetch",
-        )
-    target = sized
-    past = _past_the_cpu_cap(trials, est, budget, binding) if target <= w else None
-    if past is not None:
-        cand, used = past
-        predicted_wall = max(est.busy_s, est.cpu_per_batch_s / min(est.worker_cpus, 2 * used))
-        return try_(
-            cand,
-            last.stats.mean_wall_s - predicted_wall,
-            f"the CPU budget caps the model at {w} workers, but they used {used:.1f} of the {est.worker_cpus:.0f} "
-            f"CPUs while training waited {stall:.0%} of the time: the CPUs are shared with the training process, "
-            f"and {cand.num_workers} workers measure what they get",
-        )
-    # No more workers to add, yet training waits: where the workers already load the mean batch faster than the
-    # step takes it (by the model's count, or at max_workers by the mean alone, the tail having sized the count
-    # past the cap), the wait comes from batches that come back late and hold up the in-order hand-over, even
-    # where the waits' p90 does not stand out. A deeper prefetch absorbs that, is cheap to measure (it changes the
-    # running workers in place) and is kept only if measurably faster: on an H200 it took 10-11 workers from a
-    # 24% GPU stall to 4-6% (benchmarks/gpu.py), and on the bursty benchmark 16 workers from 13.6 to 10.1 ms a
-    # step, where settling kept the stall. Short of the mean (a CPU, memory or /dev/shm cap, or max_workers
-    # below the mean's count) the wait is from too few workers, which prefetch does not add; so also where the
-    # change would be made on the running workers (a trial there took a window to show nothing on a latency-bound
-    # loader, and delayed settling past a 3-epoch run).
-    covers_mean = w * est.busy_s >= est.batch_s
-    if target <= w and can_deepen and (est.needed_workers <= w or (binding.startswith("max_workers") and covers_mean)):
-        why = f"{est.needed_workers} needed" if est.needed_workers <= w else f"{binding}; the mean batch needs fewer"
-        return try_(
-            deeper,
-            0.5 * last.stats.mean_wait_s,
-            f"{w} workers load a batch every {est.batch_s / w * 1e3:.1f} ms on average and the step takes "
-            f"{est.busy_s * 1e3:.1f} ms ({why}), yet training waited {stall:.0%} of the time: slow batches hold up "
-            "the hand-over; deeper prefetch",
-        )
-    if target <= w:
-        why = binding
-        if est.needed_workers <= w:
-            why = "the model (the wait is not from too few workers)"
-        return settle(f"no more workers to add within {why}", est)
-    first = _measure_memory_first(est, budget, w, target)
-    target = first or target
-    cand = cur.with_workers(target)
-    if cand in tried:
-        return settle(f"{cand.describe()} was already measured", est)
-    limit = f" (capped at {target} by {binding})" if target < est.needed_workers else ""
-    if first is not None:
-        assert budget.memory_bytes is not None and est.safe_workers is not None
-        full = min(est.needed_workers, cap)
-        limit = (
-            f"; {first} first, to measure a worker's memory before going to {full}: {full} workers fit the "
-            f"{budget.memory_bytes / MiB:.0f} MiB budget only if each holds under "
-            f"{budget.memory_bytes / full / MiB:.0f} MiB, and a worker can come to hold this process's "
-            f"{est.mem_ceiling_bytes / MiB:.0f} MiB"
-        )
-    predicted_wall = max(est.busy_s + hand, est.batch_s / target)  # from 0 workers, the step now receives a batch
-    decision = try_(
-        cand,
-        last.stats.mean_wall_s - predicted_wall,
-        f"a batch takes {est.batch_s * 1e3:.1f} ms to load{_slowest(est)} and the step {est.busy_s * 1e3:.1f} "
-        f"ms: {est.needed_workers} workers hide it{limit}",
-    )
-    return replace(decision, probe_memory=first is not None)
+    s = Situation(trials, budget, policy, remaining_steps, probed, in_epoch, in_place, memory_limit)
+    decision = next(d for d in map(lambda rule: rule(s), RULES) if d is not None)
+    if decision.action != "settle" or decision.rule in FINAL:
+        return decision
+    return next((d for d in (o(s, decision) for o in SETTLE_OVERRIDES) if d is not None), decision)
 
 
 def _past_the_cpu_cap(
-    trials: Sequence[Trial], est: Estimate, budget: Budget, binding: str
+    trials: Sequence[Trial], est: Estimate, budget: Budget, bound: Bound
 ) -> tuple[LoaderSettings, float] | None:
     """Twice the workers, tried once, where the CPU budget alone stops the model at the running count and the
     running workers used under 90% of the CPUs they may use (with the CPUs they used). The cap takes the CPUs as the
@@ -867,7 +1067,7 @@ def _past_the_cpu_cap(
     last = trials[-1]
     cur, s = last.settings, last.stats
     w = cur.num_workers
-    if w == 0 or binding != "the CPU budget" or est.needed_workers <= w or s.wall_s <= 0:
+    if w == 0 or bound != "cpu" or est.needed_workers <= w or s.wall_s <= 0:
         return None
     if len(trials) < 2 or any(t.settings.num_workers > 0 for t in trials[:-1]):  # once, after the jump from 0
         return None
@@ -1051,7 +1251,7 @@ def diagnose(
 def memory_diagnosis(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> str:
     """A sentence on the workers' memory when a config went over the budget (``""`` otherwise): the cause, the
     measured size and growth, and the fix."""
-    over = [t for t in trials if t.failed and "memory budget" in t.failed]
+    over = [t for t in trials if t.rule == "over_memory_budget"]
     if not over or budget.memory_bytes is None:
         return ""
     mem, _ = worker_memory(trials, policy)
@@ -1080,126 +1280,253 @@ def _memory_cause(mem: WorkerMemory) -> str:
     return "Each worker holds its own copy of the dataset's objects."
 
 
-def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
-    usable = [t for t in trials if t.usable]
-    if not usable:
-        failed = [t for t in trials if t.failed]
-        if failed:
-            return (
-                f"unknown: {failed[-1].settings.describe()} failed ({failed[-1].failed}) before a window was "
-                f"measured; running on {settled.describe()}."
-            )
+class Reading:
+    """What the diagnoses read (see :data:`DIAGNOSES`): the trials, the settled config, and the window quoted (the
+    settled config's last one, else the last measured)."""
+
+    def __init__(
+        self, trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool
+    ) -> None:
+        self.trials, self.settled, self.budget, self.policy, self.held = trials, settled, budget, policy, held
+        self.usable = [t for t in trials if t.usable]
+        self.th = policy.stall_threshold
+        if not self.usable:
+            return
+        self.start = self.usable[0]
+        self.final = next((t for t in reversed(self.usable) if t.settings == settled), self.usable[-1])
+        self.fs = self.final.stats
+        # a settle on fewer workers than the last measured (the memory budget's prediction) quotes that window under
+        # its own config's name, not under the one settled on
+        self.on = settled.describe()
+        if self.final.settings != settled:
+            last = self.final.settings.describe()
+            self.on = f"{last}, the last config measured ({settled.describe()}, settled on, was not)"
+        per = self.final.sec_per_sample
+        self.speedup = self.start.sec_per_sample / per if per > 0 else 1.0
+        self.still = f"still {self.fs.effective_stall_frac:.0%} of the time waiting for data with {self.on}"
+
+    @cached_property
+    def est(self) -> Estimate:
+        return estimate(self.usable, self.budget, self.policy)
+
+    @cached_property
+    def cap(self) -> tuple[int, Bound]:
+        return worker_cap(self.est, self.budget, self.settled.prefetch_factor or 2)
+
+    @cached_property
+    def more(self) -> list[Trial]:
+        """Configs with more workers than the quoted one, measured beside it."""
+        return [t for t in self.usable if t.settings.num_workers > self.final.settings.num_workers]
+
+    @cached_property
+    def no_help(self) -> bool:
+        """Whether every config with more workers was not ``min_gain`` faster than the quoted one."""
+        per, gain = self.final.sec_per_sample, self.policy.min_gain
+        return bool(self.more) and all(t.sec_per_sample >= per * (1.0 - gain) for t in self.more)
+
+
+def nothing_measured_dx(r: Reading) -> str | None:
+    """No window was measured: what failed, if anything."""
+    if r.usable:
+        return None
+    failed = [t for t in r.trials if t.failed]
+    if not failed:
         return "unknown: no training step was measured."
-    start = usable[0]
-    final = next((t for t in reversed(usable) if t.settings == settled), usable[-1])
-    fs = final.stats
-    # the config the quoted window ran on: a settle on fewer workers than the last measured (the memory budget's
-    # prediction) quotes that window under its own config's name, not under the one settled on
-    on = settled.describe()
-    if final.settings != settled:
-        on = f"{final.settings.describe()}, the last config measured ({settled.describe()}, settled on, was not)"
-    th = policy.stall_threshold
-    speedup = start.sec_per_sample / final.sec_per_sample if final.sec_per_sample > 0 else 1.0
-    if fs.mean_other_s > max(fs.mean_step_s, fs.mean_wait_s) and fs.mean_other_s > 0.002:
-        return (
-            f"host-bound: {fs.mean_other_s * 1e3:.1f} ms per step go to host work between steps "
-            "(logging, callbacks, host-to-device copies), more than to the step or the data wait."
-        )
-    copy = fs.copy_frac
-    if copy is not None and copy > th and fs.gpu_copy_s > fs.gpu_idle_s:
-        if settled.pin_memory:
-            pinned = "the batches are already pinned"
-        elif any(t.settings.pin_memory for t in usable):
-            pinned = "pinned memory did not make it faster"
-        else:
-            pinned = "pinned memory was not tried"
-        return (
-            f"transfer-bound: host-to-device copies take {copy:.0%} of the GPU's time "
-            f"({fs.gpu.mean_copy_s * 1e3:.1f} ms per step for {fs.batch_bytes / 2**20:.1f} MiB batches), "
-            f"more than the wait for the loader ({fs.gpu.mean_idle_s * 1e3:.1f} ms); {pinned}. Send "
-            "less: uint8 instead of float32 images, decode or augment on the GPU, or drop unused fields."
-        )
-    if start.stats.effective_stall_frac <= th:
-        host = ""
-        if start.stats.gpu_stall_frac is not None and start.stats.stall_frac > th:
-            host = f" (the host waited {start.stats.stall_frac:.0%} of the time while the GPU still worked)"
-        return (
-            f"accelerator-bound: {_waited(start.stats)} with {start.settings.describe()}{host}; "
-            "the loader is not the bottleneck."
-        )
-    if fs.effective_stall_frac <= th:
-        return (
-            f"input-bound at the start ({start.stats.effective_stall_frac:.0%} of the time waiting for data with "
-            f"{start.settings.describe()}); {on} hides the loading "
-            f"(stall {fs.effective_stall_frac:.1%}, {speedup:.1f}x the throughput)."
-        )
-    est = estimate(usable, budget, policy)
-    cap, binding = worker_cap(est, budget, settled.prefetch_factor or 2)
-    if binding.startswith("the memory") and cap <= settled.num_workers < est.needed_workers:
-        assert budget.memory_bytes is not None
-        return (
-            f"input-bound and held back by the memory budget: still {fs.effective_stall_frac:.0%} of the time "
-            f"waiting for data with {on}, the model wants {est.needed_workers} workers and "
-            f"{cap} fit {budget.memory_bytes / MiB:.0f} MiB: "
-            f"{memory.describe_growth(est.memory, est.mem_life_batches, max(1, cap))}. {_memory_cause(est.memory)} "
-            f"{_MEMORY_FIX}, or raise `max_memory`."
-        )
-    if binding.startswith("the shared") and cap <= settled.num_workers < est.needed_workers:
-        return (
-            f"input-bound and held back by {binding}: still {fs.effective_stall_frac:.0%} of the time waiting for data "
-            f"with {on}, the model wants {est.needed_workers} workers. Free memory, make the "
-            "dataset lighter per worker (lazy loading, numpy arrays instead of Python objects), or raise "
-            "`max_memory` / the shared memory size (--shm-size, --ipc=host)."
-        )
-    if est.cpu_bound:
-        return (
-            f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "
-            f"{budget.cpus:g} CPUs ({budget.bound_by}) cannot keep up with a {est.busy_s * 1e3:.1f} ms step "
-            f"(still {fs.effective_stall_frac:.0%} stalled with {on}); make decoding cheaper, "
-            "cache decoded data or give the job more CPUs."
-        )
-    more = [t for t in usable if t.settings.num_workers > final.settings.num_workers]  # measured beside the final
-    no_help = more and all(t.sec_per_sample >= final.sec_per_sample * (1.0 - policy.min_gain) for t in more)
-    hand = handover_s(usable, policy)
-    # settled at 0 workers without trying any: receiving a batch from a worker would cost about what building it
-    # here does (see decide)
-    not_tried = not more and settled.num_workers == 0 and fs.effective_stall_frac - hand / fs.mean_wall_s <= th
-    if (no_help or not_tried) and settled.num_workers == 0 and fs.fetch_cpu_s >= 0.5 * fs.wait_s:
-        if more:
-            slower = min(more, key=lambda t: t.sec_per_sample)
-            how = f"{slower.settings.describe()} was {slower.sec_per_sample / final.sec_per_sample:.1f}x slower"
-        else:
-            how = f"receiving a batch from a worker costs about {hand * 1e3:.1f} ms, so none was tried"
-        return (
-            f"input-bound by assembling batches sample by sample: {fs.effective_stall_frac:.0%} of the time goes to "
-            f"building each batch in the training process ({fs.mean_wait_s * 1e3:.2f} ms of CPU per batch), and "
-            f"workers only add inter-process copying ({how}). Fetch whole batches at once: give the "
-            "dataset a `__getitems__(indices)` that returns a batch's samples in one call (it keeps the batch "
-            "sampler, and with it in-epoch switching and exact resume); a `BatchSampler` passed as `sampler` with "
-            "`batch_size=None` works too but loses them."
-        )
-    if no_help:
-        return (
-            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
-            f"({speedup:.1f}x the starting throughput), and more workers did not help: the host is saturated "
-            "(CPU contention with the training process, or the storage's own limit)."
-        )
-    if est.needed_workers > budget.max_workers:
-        return (
-            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
-            f"({speedup:.1f}x the starting throughput); the model wants {est.needed_workers} workers but "
-            f"`max_workers` is {budget.max_workers}: raise it if memory allows, or cut the storage latency."
-        )
-    if held:
-        return (
-            f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with "
-            f"{on} ({speedup:.1f}x the starting throughput)."
-        )
+    last = failed[-1]
+    running = r.settled.describe()
     return (
-        f"input-bound: still {fs.effective_stall_frac:.0%} of the time waiting for data with {on} "
-        f"({speedup:.1f}x the starting throughput); waits are bursty or the trial budget ran out: raise "
-        "`max_trials` or `max_prefetch`, or reduce the latency tail of the storage."
+        f"unknown: {last.settings.describe()} failed ({last.failed}) before a window was measured; "
+        f"running on {running}."
     )
+
+
+def host_bound(r: Reading) -> str | None:
+    """Host work between steps (logging, callbacks, copies) takes longer than the step and the wait."""
+    fs = r.fs
+    if not (fs.mean_other_s > max(fs.mean_step_s, fs.mean_wait_s) and fs.mean_other_s > 0.002):
+        return None
+    return (
+        f"host-bound: {fs.mean_other_s * 1e3:.1f} ms per step go to host work between steps "
+        "(logging, callbacks, host-to-device copies), more than to the step or the data wait."
+    )
+
+
+def transfer_bound(r: Reading) -> str | None:
+    """Host-to-device copies take more of the GPU's time than the threshold, and more than its wait for data."""
+    fs, copy = r.fs, r.fs.copy_frac
+    if copy is None or copy <= r.th or fs.gpu_copy_s <= fs.gpu_idle_s:
+        return None
+    if r.settled.pin_memory:
+        pinned = "the batches are already pinned"
+    elif any(t.settings.pin_memory for t in r.usable):
+        pinned = "pinned memory did not make it faster"
+    else:
+        pinned = "pinned memory was not tried"
+    return (
+        f"transfer-bound: host-to-device copies take {copy:.0%} of the GPU's time "
+        f"({fs.gpu.mean_copy_s * 1e3:.1f} ms per step for {fs.batch_bytes / 2**20:.1f} MiB batches), "
+        f"more than the wait for the loader ({fs.gpu.mean_idle_s * 1e3:.1f} ms); {pinned}. Send "
+        "less: uint8 instead of float32 images, decode or augment on the GPU, or drop unused fields."
+    )
+
+
+def accelerator_bound(r: Reading) -> str | None:
+    """The starting config already stalled within the threshold: the loader is not the bottleneck."""
+    s = r.start.stats
+    if s.effective_stall_frac > r.th:
+        return None
+    host = ""
+    if s.gpu_stall_frac is not None and s.stall_frac > r.th:
+        host = f" (the host waited {s.stall_frac:.0%} of the time while the GPU still worked)"
+    return (
+        f"accelerator-bound: {_waited(s)} with {r.start.settings.describe()}{host}; the loader is not the bottleneck."
+    )
+
+
+def loading_hidden(r: Reading) -> str | None:
+    """Input-bound at the start, and the settled config hides the loading."""
+    if r.fs.effective_stall_frac > r.th:
+        return None
+    return (
+        f"input-bound at the start ({r.start.stats.effective_stall_frac:.0%} of the time waiting for data with "
+        f"{r.start.settings.describe()}); {r.on} hides the loading "
+        f"(stall {r.fs.effective_stall_frac:.1%}, {r.speedup:.1f}x the throughput)."
+    )
+
+
+def held_by_memory(r: Reading) -> str | None:
+    """The memory budget caps the workers below the model's count."""
+    (cap, bound), est, memory_bytes = r.cap, r.est, r.budget.memory_bytes
+    if bound != "memory" or not cap <= r.settled.num_workers < est.needed_workers or memory_bytes is None:
+        return None
+    return (
+        f"input-bound and held back by the memory budget: {r.still}, the model wants {est.needed_workers} workers "
+        f"and {cap} fit {memory_bytes / MiB:.0f} MiB: "
+        f"{memory.describe_growth(est.memory, est.mem_life_batches, max(1, cap))}. {_memory_cause(est.memory)} "
+        f"{_MEMORY_FIX}, or raise `max_memory`."
+    )
+
+
+def held_by_shm(r: Reading) -> str | None:
+    """/dev/shm caps the batches in flight below the model's count."""
+    (cap, bound), est = r.cap, r.est
+    if bound != "shm" or not cap <= r.settled.num_workers < est.needed_workers:
+        return None
+    return (
+        f"input-bound and held back by {bound_words(bound, est, r.budget)}: {r.still}, the model wants "
+        f"{est.needed_workers} workers. Free memory, make the dataset lighter per worker (lazy loading, numpy "
+        "arrays instead of Python objects), or raise `max_memory` / the shared memory size (--shm-size, --ipc=host)."
+    )
+
+
+def cpu_bound(r: Reading) -> str | None:
+    """The CPUs cannot produce batches as fast as the step takes them."""
+    est = r.est
+    if not est.cpu_bound:
+        return None
+    return (
+        f"input-bound and CPU-bound: a batch needs {est.cpu_per_batch_s * 1e3:.1f} ms of CPU and "
+        f"{r.budget.cpus:g} CPUs ({r.budget.bound_by}) cannot keep up with a {est.busy_s * 1e3:.1f} ms step "
+        f"(still {r.fs.effective_stall_frac:.0%} stalled with {r.on}); make decoding cheaper, "
+        "cache decoded data or give the job more CPUs."
+    )
+
+
+def built_sample_by_sample(r: Reading) -> str | None:
+    """At 0 workers, the wait is the training process's CPU assembling batches, and workers only add copies (or a
+    worker's hand-over would cost about what they hide, so none was tried)."""
+    fs, settled = r.fs, r.settled
+    hand = handover_s(r.usable, r.policy)
+    not_tried = not r.more and settled.num_workers == 0 and fs.effective_stall_frac - hand / fs.mean_wall_s <= r.th
+    if not (r.no_help or not_tried) or settled.num_workers != 0 or fs.fetch_cpu_s < 0.5 * fs.wait_s:
+        return None
+    if r.more:
+        slower = min(r.more, key=lambda t: t.sec_per_sample)
+        how = f"{slower.settings.describe()} was {slower.sec_per_sample / r.final.sec_per_sample:.1f}x slower"
+    else:
+        how = f"receiving a batch from a worker costs about {hand * 1e3:.1f} ms, so none was tried"
+    return (
+        f"input-bound by assembling batches sample by sample: {fs.effective_stall_frac:.0%} of the time goes to "
+        f"building each batch in the training process ({fs.mean_wait_s * 1e3:.2f} ms of CPU per batch), and "
+        f"workers only add inter-process copying ({how}). Fetch whole batches at once: give the "
+        "dataset a `__getitems__(indices)` that returns a batch's samples in one call (it keeps the batch "
+        "sampler, and with it in-epoch switching and exact resume); a `BatchSampler` passed as `sampler` with "
+        "`batch_size=None` works too but loses them."
+    )
+
+
+def more_workers_did_not_help(r: Reading) -> str | None:
+    """Configs with more workers were measured and were not faster: the host is saturated."""
+    if not r.no_help:
+        return None
+    return (
+        f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput), and more workers did not help: the "
+        "host is saturated (CPU contention with the training process, or the storage's own limit)."
+    )
+
+
+def max_workers_too_low(r: Reading) -> str | None:
+    """The model wants more workers than ``max_workers``."""
+    if r.est.needed_workers <= r.budget.max_workers:
+        return None
+    return (
+        f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput); the model wants {r.est.needed_workers} "
+        f"workers but `max_workers` is {r.budget.max_workers}: raise it if memory allows, or cut the storage latency."
+    )
+
+
+def stopped_for_the_run(r: Reading) -> str | None:
+    """Tuning held for the rest of the run (the hold's reason is said after)."""
+    return f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput)." if r.held else None
+
+
+def stall_left(r: Reading) -> str:
+    """What is left, said as far as it was measured: bursty waits, the trial budget spent, or not measured."""
+    fs, policy = r.fs, r.policy
+    if _bursty(fs, r.est.busy_s, policy):
+        cause = (
+            f"waits are bursty (p90 {fs.wait_p90_s * 1e3:.1f} ms against a median of {fs.wait_p50_s * 1e3:.1f} ms): "
+            "raise `max_prefetch`, or reduce the latency tail of the storage"
+        )
+    elif len(r.trials) >= policy.max_trials:
+        cause = f"the trial budget ({policy.max_trials}) ran out: raise `max_trials`"
+    else:
+        cause = "its cause was not measured (the waits are not bursty and the trial budget was not spent)"
+    return f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput); {cause}."
+
+
+Diagnosis = Callable[[Reading], "str | None"]
+# what bounds training, asked in order; the first that applies says it, else `stall_left`
+DIAGNOSES: tuple[Diagnosis, ...] = (
+    nothing_measured_dx,
+    host_bound,
+    transfer_bound,
+    accelerator_bound,
+    loading_hidden,
+    held_by_memory,
+    held_by_shm,
+    cpu_bound,
+    built_sample_by_sample,
+    more_workers_did_not_help,
+    max_workers_too_low,
+    stopped_for_the_run,
+)
+
+
+def diagnosed(
+    trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy = Policy(), held: bool = False
+) -> tuple[str, str]:
+    """The diagnosis that applies (its name, see :data:`DIAGNOSES`) and its sentence."""
+    r = Reading(trials, settled, budget, policy, held)
+    for diagnosis in DIAGNOSES:
+        text = diagnosis(r)
+        if text is not None:
+            return diagnosis.__name__, text
+    return "stall_left", stall_left(r)
+
+
+def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
+    return diagnosed(trials, settled, budget, policy, held)[1]
 
 
 def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: Policy) -> Decision | None:
@@ -1235,4 +1562,5 @@ def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: P
         "settle",
         settings,
         f"cached settings verified ({s.samples_per_s:.0f} samples/s{than}, stall {s.effective_stall_frac:.1%})",
+        rule="cached_settings_hold",
     )

@@ -199,6 +199,8 @@ class EvalTuner:
         pass starts and its fetches here. A run held before tries its plan now. ``agree_start(key, hit)``: every
         rank starts from the same cached config."""
         self.budget, self._agree_start = budget, agree_start
+        reloads = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        self.state.reloads = trainer.state.fn == "fit" and bool(reloads)
         if self.state.held is not None:
             self.state.target = self.state.held.settings
         self.state.begin_fit()

@@ -197,6 +197,7 @@ class LoaderSwitcher:
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer, self._first_epoch = trainer, None
+        self.state.reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
         self._random.reset()
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),

@@ -16,7 +16,7 @@ from lightning_dltune.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 
 REPORT_NAME = "dltune_report.json"
-REPORT_VERSION = 2  # 2: "series" (one point per logging window) and "stall_threshold"
+REPORT_VERSION = 3  # 2: "series" (one point per logging window) and "stall_threshold"; 3: each trial's "rule"
 
 PREFIX = "dltune/"
 STALL_FRAC = PREFIX + "stall_frac"
@@ -148,7 +148,8 @@ def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> st
                 "-" if gpu_stall is None else f"{gpu_stall:.1%}",
                 f"{s.gpu.mean_copy_s * 1e3:.2f}" if s.gpu_steps else "-",
             )
-        rows.append((*row, (t.failed and f"FAILED: {t.failed}") or t.decision))
+        said = (t.failed and f"FAILED: {t.failed}") or t.decision
+        rows.append((*row, f"[{t.rule}] {said}" if t.rule and said else said))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = []
     for r in [header, *rows]:
@@ -163,6 +164,7 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
         "stats": trial.stats.to_dict(),
         "failed": trial.failed,
         "decision": trial.decision,
+        "rule": trial.rule,
     }
 
 
@@ -174,7 +176,15 @@ def trial_from_dict(data: dict[str, Any]) -> Trial:
         stats=WindowStats.from_dict(data.get("stats", {})),
         failed=data.get("failed"),
         decision=data.get("decision", ""),
+        rule=data.get("rule") or _rule_of_older(data),
     )
+
+
+def _rule_of_older(data: dict[str, Any]) -> str:
+    """The rule of a trial saved before rules had names (report version 2, state version 1): only the memory
+    budget's, which the diagnosis reads, is told from its words."""
+    failed = data.get("failed")
+    return "over_memory_budget" if isinstance(failed, str) and "memory budget" in failed else ""
 
 
 def build_report(

@@ -44,7 +44,7 @@ from lightning_dltune.measure import WindowStats
 from lightning_dltune.report import trial_from_dict, trial_to_dict
 from lightning_dltune.settings import LoaderSettings
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: each trial's "rule"
 MAX_RECOVERIES = 3
 Mode = Literal["auto", "epoch", "in_epoch"]
 MODES: tuple[str, ...] = ("auto", "epoch", "in_epoch")
@@ -89,7 +89,9 @@ class TuningState:
         self.trials: list[Trial] = []
         self.start: LoaderSettings | None = None
         self.current: LoaderSettings | None = None
-        self.target: LoaderSettings | None = None
+        # Lightning reloads the loader every few epochs (`reload_dataloaders_every_n_epochs`): see `within_reloads`
+        self.reloads = False
+        self._target: LoaderSettings | None = None
         self.held: Decision | None = None
         self.best_settings: dict[str, Any] | None = None
         self.settled_step: int | None = None
@@ -229,7 +231,8 @@ class TuningState:
             never = set(failed) | self.failed_configs
             fallback = self._fallback(never, failed[0])
             names = ", ".join(sorted({f.describe() for f in failed}))
-            return Decision("settle", fallback, f"{names} failed on a rank: every rank falls back to the same config")
+            why = f"{names} failed on a rank: every rank falls back to the same config"
+            return Decision("settle", fallback, why, rule="failed_on_a_rank")
         if self.current is None or not self.switching:
             return None
         budget = self._within_memory_limit(budget)
@@ -268,6 +271,23 @@ class TuningState:
         flight = memory.in_flight_bytes(batch_bytes, settings.prefetch_factor, settings.pin_memory)
         return memory.fits_beside(running_bytes, mem, settings.num_workers, flight, budget_bytes)
 
+    @property
+    def target(self) -> LoaderSettings | None:
+        """The settings the next loader is built with (:meth:`within_reloads` of what was decided)."""
+        return self._target
+
+    @target.setter
+    def target(self, settings: LoaderSettings | None) -> None:
+        self._target = None if settings is None else self.within_reloads(settings)
+
+    def within_reloads(self, settings: LoaderSettings) -> LoaderSettings:
+        """``settings`` as the tuner builds them: where Lightning reloads the loader (:attr:`reloads`), pinned memory
+        never comes with persistent workers (their pin thread's memory is not released: PyTorch issue 91252, which
+        Lightning warns about), so the workers start afresh with each loader."""
+        if self.reloads and settings.pin_memory and settings.persistent_workers:
+            return replace(settings, persistent_workers=False)
+        return settings
+
     def apply(
         self,
         decision: Decision | None,
@@ -281,20 +301,16 @@ class TuningState:
         assert self.current is not None
         self._budget = budget
         self._cached_entry = None
+        if decision is not None:
+            decision = replace(decision, settings=self.within_reloads(decision.settings))
         if failed and decision is not None:  # agreed after a failure on some rank: the window mixed configs
-            known = self.failed_configs
-            self.trials += [
-                Trial(f, WindowStats(), failed="failed on a rank") for f in dict.fromkeys(failed) if f not in known
-            ]
-            self.trials[-1] = replace(self.trials[-1], decision=decision_text(decision))
-            self.unagreed, self.target = None, decision.settings
-            self._stop(Phase.SETTLED, decision.settings, budget, step)
-            return decision
+            return self._failed_on_a_rank(decision, budget, step, failed)
         if decision is None:
             if not self.done:  # observing or disabled: the window is recorded as it was
                 self.trials.append(Trial(self.current, stats))
             return None
-        judged = Trial(self.current, self.judged(stats), failed=decision.failed, decision=decision_text(decision))
+        text = decision_text(decision)
+        judged = Trial(self.current, self.judged(stats), decision.failed, text, decision.rule)
         self.trials.append(judged)
         self._probing_memory = decision.action == "try" and decision.probe_memory
         if decision.failed is not None:  # only the memory budget fails a config by decision
@@ -310,6 +326,19 @@ class TuningState:
             self._stop(Phase.HELD, best, budget, step, held=decision)
             return None
         return decision if decision.action in ("try", "settle") else None
+
+    def _failed_on_a_rank(
+        self, decision: Decision, budget: Budget, step: int, failed: Sequence[LoaderSettings]
+    ) -> Decision:
+        """Record the configs that failed on some rank, and settle on the agreed fallback."""
+        known = self.failed_configs
+        self.trials += [
+            Trial(f, WindowStats(), failed="failed on a rank") for f in dict.fromkeys(failed) if f not in known
+        ]
+        self.trials[-1] = replace(self.trials[-1], decision=decision_text(decision), rule=decision.rule)
+        self.unagreed, self.target = None, decision.settings
+        self._stop(Phase.SETTLED, decision.settings, budget, step)
+        return decision
 
     def fail(
         self, stats: WindowStats, why: str, budget: Budget, step: int, agree_later: bool = False
@@ -329,7 +358,7 @@ class TuningState:
         if agree_later:  # distributed: this rank falls back now, the phase and the trial are agreed later
             self.unagreed = self.unagreed or failed
             return fallback
-        self.trials.append(Trial(failed, stats, failed=why))
+        self.trials.append(Trial(failed, stats, failed=why, rule="config_failed"))
         if self.tuning or self.result == failed:  # the result may not be a config that failed
             self._stop(Phase.SETTLED, fallback, budget, step)
         self.target = fallback

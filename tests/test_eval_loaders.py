@@ -2,6 +2,7 @@
 
 import json
 import time
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
@@ -597,3 +598,32 @@ def test_a_new_iterator_created_apart_draws_nothing_from_the_global_random_state
     torch.set_rng_state(before)
     list(loader)
     assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_loaders_lightning_reloads_never_get_persistent_workers_with_pinned_memory(tmp_path, recwarn):
+    # the user's loaders pin their batches and Lightning reloads them every epoch: persistent workers would leak the
+    # pin thread's memory (PyTorch issue 91252, which Lightning warns about), so the tuner's workers are not persistent
+    pl.seed_everything(7)
+    tuner = DataLoaderTuner(report_path=False)  # no report is read here
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=3, logger=False, reload_dataloaders_every_n_epochs=1)
+    trainer.fit(EvalModel(), datamodule=EvalData(pin_memory=True))
+    val = tuner.evals.tuners["val"].state
+    assert val.current.num_workers > 0 and val.current.pin_memory, val.current
+    assert not val.current.persistent_workers and not val.target.persistent_workers
+    assert tuner.state.reloads and val.reloads  # the train loader's state builds its settings alike
+    assert not [w for w in recwarn if "can lead to instability" in str(w.message)]
+
+
+def test_a_state_whose_loader_lightning_reloads_builds_pinned_memory_without_persistent_workers():
+    from lightning_dltune.settings import LoaderSettings
+    from lightning_dltune.state import TuningState
+
+    pinned = LoaderSettings.normalized(8, pin_memory=True)
+    state = TuningState()
+    state.target = pinned
+    assert state.target.persistent_workers  # no reloads: as decided
+    state.reloads = True
+    state.target = pinned
+    assert state.target == replace(pinned, persistent_workers=False)
+    state.target = LoaderSettings.normalized(8)  # no pinned memory: persistent workers stay
+    assert state.target.persistent_workers

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-from test_decide import cfg, trial, with_mem
 
 from lightning_dltune.decide import Budget, Policy, decide, diagnose, estimate
 from lightning_dltune.memory import (
@@ -20,6 +19,8 @@ from lightning_dltune.memory import (
 )
 from lightning_dltune.probe import MemoryWatch
 from lightning_dltune.state import TuningState
+
+from test_decide import cfg, trial, with_mem
 
 
 def readings(workers, base_mib, growth_mib, batches):

@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 import lightning_dltune.callback as callback
 
 
@@ -15,3 +17,33 @@ def test_the_callback_is_small_and_its_methods_short():
     assert lines < 300, f"callback.py has {lines} lines besides the class docstring: move behaviour into a part"
     long = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
     assert max(long.values()) <= 40, {k: v for k, v in long.items() if v > 40}
+
+
+TUNING_MODULES = ("decide", "state")
+
+
+@pytest.mark.parametrize("name", TUNING_MODULES)
+def test_the_tuning_modules_have_short_functions_and_no_condition_on_message_text(name):
+    """The decision reads as a table of small rules: no function over 40 lines (docstring included), and no rule that
+    branches on the words of a message (``.startswith``/``.endswith`` on text, ``"..." in`` a reason, a failure or a
+    decision): conditions are typed values (a rule's name, ``decide.Bound``)."""
+    import importlib
+
+    module = importlib.import_module(f"lightning_dltune.{name}")
+    tree = ast.parse(Path(module.__file__).read_text())
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    assert max(long.values()) <= 40, {k: v for k, v in long.items() if v > 40}
+    text_tests = [node.lineno for node in ast.walk(tree) if _tests_text(node)]
+    assert all(
+        _tests_text(ast.parse(code).body[0].value) for code in ('"memory budget" in t.failed', "b.startswith('m')")
+    )
+    assert not text_tests, f"lightning_dltune/{name}.py tests message text on lines {text_tests}"
+
+
+def _tests_text(node: ast.AST) -> bool:
+    """``x.startswith(...)``/``x.endswith(...)``, or ``"words" in x``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr in ("startswith", "endswith")
+    if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+        return False
+    return isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)

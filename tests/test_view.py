@@ -55,7 +55,7 @@ def test_a_fit_draws_its_run_next_to_the_report_and_tensorboard_gets_the_text_an
     assert width >= 600 and height >= 600 and tuner.plot_file.stat().st_size > 20_000
 
     report = json.loads(tuner.report_file.read_text())
-    assert report["version"] == REPORT_VERSION == 2
+    assert report["version"] == REPORT_VERSION == 3
     series = report["series"]
     assert set(series) == {"step", "stall_frac", "samples_per_s", "num_workers", "prefetch_factor"}  # no GPU here
     # every logging window: 16 batches an epoch, every 2 steps, and at each decision to change the config (the steps

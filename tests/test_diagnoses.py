@@ -1,0 +1,119 @@
+"""One case per diagnosis (``decide.DIAGNOSES`` and ``stall_left``): the measurements that select it, and what it
+says. A diagnosis added without a case here fails ``test_every_diagnosis_has_a_case``."""
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_dltune.decide import DIAGNOSES, Budget, diagnose, diagnosed
+
+from test_decide import BUDGET, cfg, trial, with_mem
+from test_rules import copies
+
+WIDE = Budget(cpus=2.0, max_workers=64)
+
+
+def with_host_work(t, other_ms):
+    return replace(t, stats=replace(t.stats, other_s=other_ms * t.stats.steps / 1e3))
+
+
+# name: (trials, settled, budget, held, what it says)
+CASES = {
+    "nothing_measured_dx": (
+        [trial(4, 0, 0, steps=0, failed="workers failed to start")],
+        cfg(0),
+        BUDGET,
+        False,
+        "unknown: workers=4 prefetch=2 failed (workers failed to start)",
+    ),
+    "host_bound": ([with_host_work(trial(0, 1, 2), 8)], cfg(0), BUDGET, False, "host-bound: 8.0 ms per step"),
+    "transfer_bound": ([copies(trial(0, 0.1, 10), 8, 4)], cfg(0), BUDGET, False, "transfer-bound"),
+    "accelerator_bound": ([trial(0, 0.1, 10)], cfg(0), BUDGET, False, "accelerator-bound"),
+    "loading_hidden": ([trial(0, 160, 10), trial(16, 0.2, 10)], cfg(16), BUDGET, False, "input-bound at the start"),
+    "held_by_memory": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(4, 20, 10), 60, growth_mib=0.5, epoch=40)],
+        cfg(3),
+        Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20),
+        False,
+        "input-bound and held back by the memory budget",
+    ),
+    "held_by_shm": (
+        [with_mem(trial(0, 160, 10, fetch_cpu_ms=1), 0, 16), with_mem(trial(2, 60, 10), 0, 16)],
+        cfg(2),
+        Budget(cpus=2, max_workers=64, shm_bytes=128 * 2**20),
+        False,
+        "input-bound and held back by the shared memory (/dev/shm) budget",
+    ),
+    "cpu_bound": (
+        [trial(0, 40, 10, fetch_cpu_ms=40), trial(2, 12, 10, worker_cpu_ms=40)],
+        cfg(2),
+        BUDGET,
+        False,
+        "input-bound and CPU-bound",
+    ),
+    "built_sample_by_sample": (
+        [trial(0, 3, 10, fetch_cpu_ms=3), trial(2, 8, 10)],
+        cfg(0),
+        BUDGET,
+        False,
+        "input-bound by assembling batches sample by sample",
+    ),
+    "more_workers_did_not_help": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 20, 10), trial(16, 20, 10)],
+        cfg(8),
+        WIDE,
+        False,
+        "and more workers did not help",
+    ),
+    "max_workers_too_low": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 5, 10)],
+        cfg(16),
+        BUDGET,
+        False,
+        "`max_workers` is 16",
+    ),
+    "stopped_for_the_run": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 10, 10)],
+        cfg(8),
+        WIDE,
+        True,
+        "input-bound: still 50% of the time waiting for data with workers=8 prefetch=2 (",
+    ),
+    "stall_left": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 10, 10)],
+        cfg(8),
+        WIDE,
+        False,
+        "its cause was not measured (the waits are not bursty and the trial budget was not spent)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_diagnosis_is_selected_by_its_measurements(name):
+    trials, settled, budget, held, says = CASES[name]
+    got, text = diagnosed(trials, settled, budget, held=held)
+    assert got == name and says in text, text
+
+
+def test_what_is_left_says_what_was_measured():
+    """The stall left, where no other diagnosis applies: bursty waits where they are, the trial budget where it was
+    spent, else plainly not measured (never a guess between the two)."""
+    start = trial(0, 160, 10, fetch_cpu_ms=1)
+    bursty = diagnosed([start, trial(8, 10, 10, p50_ms=2, p90_ms=30)], cfg(8), WIDE)[1]
+    assert "waits are bursty (p90 30.0 ms against a median of 2.0 ms)" in bursty, bursty
+    spent = [start, trial(4, 30, 10), trial(6, 20, 10), trial(7, 15, 10), trial(8, 12, 10), trial(9, 10, 10)]
+    assert "the trial budget (6) ran out" in diagnosed(spent, cfg(9), WIDE)[1]
+
+
+def test_a_held_run_says_why_it_stopped():
+    from lightning_dltune.decide import Decision
+
+    trials, settled, budget, _, _ = CASES["stopped_for_the_run"]
+    held = Decision("hold", cfg(16), "workers=16 prefetch=2 would save about 0.10 s over the 8 steps left")
+    text = diagnose(trials, settled, budget, held=held)
+    assert text.endswith("a longer or resumed run goes on to workers=16 prefetch=2."), text
+
+
+def test_every_diagnosis_has_a_case():
+    assert {d.__name__ for d in DIAGNOSES} | {"stall_left"} == set(CASES)

@@ -1,0 +1,177 @@
+"""One case per named rule of the decision (``decide.RULES``, ``decide.SETTLE_OVERRIDES`` and the rules outside
+``decide``): the rule decides, and the decision records its name. A rule added without a case here fails
+``test_every_rule_has_a_case``."""
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_dltune.decide import (
+    FINAL,
+    RULES,
+    SETTLE_OVERRIDES,
+    Budget,
+    Policy,
+    Trial,
+    decide,
+    enforce_memory,
+    verify_cached,
+)
+from lightning_dltune.gpu import GpuStats
+from lightning_dltune.measure import WindowStats
+from lightning_dltune.report import summary_table, trial_from_dict, trial_to_dict
+from lightning_dltune.state import TuningState
+
+from test_decide import BUDGET, cfg, trial, with_mem
+
+MEMORY = Budget(cpus=2, max_workers=64, memory_bytes=200 * 2**20)
+WIDE = Budget(cpus=2.0, max_workers=64)
+
+
+def copies(t, copy_ms, step_ms):
+    """``t`` with a GPU timeline that read every step: ``copy_ms`` of host-to-device copy and ``step_ms`` of kernels."""
+    n = t.stats.steps
+    gpu = GpuStats(steps=n, copy_s=copy_ms * n / 1e3, step_s=step_ms * n / 1e3)
+    return Trial(t.settings, t.stats.with_gpu(gpu))
+
+
+# rule: (trials, budget, keyword arguments of decide, action, settings)
+CASES = {
+    "too_few_steps": ([trial(0, 160, 10, steps=1)], BUDGET, {}, "measure", cfg(0)),
+    "nothing_measured": ([trial(4, 0, 0, steps=0, failed="workers failed to start")], BUDGET, {}, "settle", cfg(4)),
+    "config_failed": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0, 0, steps=0, failed="worker killed")],
+        BUDGET,
+        {},
+        "settle",
+        cfg(0),
+    ),
+    "stall_below_threshold": ([trial(0, 0.1, 10)], BUDGET, {}, "settle", cfg(0)),
+    "trials_spent": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(4, 40, 10), trial(8, 20, 10)],
+        WIDE,
+        {"policy": Policy(max_trials=3)},
+        "settle",
+        cfg(8),
+    ),
+    "change_did_not_pay": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 20, 10), trial(16, 30, 10)],
+        WIDE,
+        {},
+        "settle",
+        cfg(8),
+    ),
+    "running_outgrows_memory": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(5, 20, 10), 30, growth_mib=1.0, epoch=100)],
+        MEMORY,
+        {},
+        "settle",
+        cfg(3),
+    ),
+    "handover_eats_the_gain": ([trial(0, 0.6, 8, fetch_cpu_ms=0.6)], BUDGET, {}, "settle", cfg(0)),
+    "bursty_waits": (
+        [trial(0, 80, 10, fetch_cpu_ms=1), trial(12, 2, 10, p50_ms=0.1, p90_ms=8)],
+        BUDGET,
+        {},
+        "try",
+        cfg(12, 4),
+    ),
+    "past_the_cpu_cap": (
+        [trial(0, 17, 9, steps=3, fetch_cpu_ms=17), trial(2, 8, 10, steps=35, worker_cpu_ms=18)],
+        BUDGET,
+        {},
+        "try",
+        cfg(4),
+    ),
+    "slow_batches_hold_up": ([trial(0, 36, 10), trial(5, 6, 10, steps=35)], WIDE, {}, "try", cfg(5, 4)),
+    "no_more_workers": (
+        [trial(0, 160, 9), trial(16, 3, 9, p50_ms=3, p90_ms=3.5)],
+        Budget(cpus=2.0, max_workers=16),
+        {},
+        "settle",
+        cfg(16),
+    ),
+    "already_measured": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), trial(12, 30, 10), trial(8, 20, 10)],
+        Budget(cpus=2.0, max_workers=12),
+        {},
+        "settle",
+        cfg(8),
+    ),
+    "jump_to_the_model": ([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, {}, "try", cfg(16)),
+    # the overrides of a settle
+    "settle_within_memory": (
+        [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(5, 0.1, 10), 30, growth_mib=1.0, epoch=100)],
+        MEMORY,
+        {},
+        "settle",
+        cfg(3),
+    ),
+    "pinned_memory_first": ([copies(trial(0, 0.1, 10), 4, 6)], BUDGET, {}, "try", replace(cfg(0), pin_memory=True)),
+    "keep_running_config": (
+        [trial(0, 43, 5.5), trial(10, 1.5, 6, p50_ms=1.4, p90_ms=1.8), trial(10, 1.4, 6, prefetch=4)],
+        Budget(cpus=16.0, max_workers=64),
+        {},
+        "settle",
+        cfg(10, 4),
+    ),
+    # a trial whose start would cost more than it saves over the steps left
+    "start_costs_more": ([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, {"remaining_steps": 4}, "hold", cfg(16)),
+}
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_the_rule_decides_and_is_named(rule):
+    trials, budget, kwargs, action, settings = CASES[rule]
+    decision = decide(trials, budget, **kwargs)
+    assert (decision.rule, decision.action, decision.settings) == (rule, action, settings), decision.reason
+
+
+def test_over_memory_budget():
+    over = with_mem(trial(8, 20, 10), 40)  # 320 MiB against 200
+    decision = enforce_memory([trial(0, 160, 10, fetch_cpu_ms=1), over], MEMORY)
+    assert (decision.rule, decision.action, decision.settings.num_workers) == ("over_memory_budget", "try", 5)
+    assert decision.failed is not None
+
+
+def test_cached_settings_hold():
+    window = trial(8, 0.2, 10)
+    entry = {"stall_frac": 0.02, "samples_per_s": window.stats.samples_per_s}
+    decision = verify_cached(entry, window, BUDGET, Policy())
+    assert (decision.rule, decision.action, decision.settings) == ("cached_settings_hold", "settle", cfg(8))
+
+
+def test_failed_on_a_rank():
+    state = TuningState()
+    state.start = state.current = cfg(0)
+    decision = state.decide(WindowStats(), BUDGET, None, failed=[cfg(8)])
+    assert (decision.rule, decision.action, decision.settings) == ("failed_on_a_rank", "settle", cfg(0))
+    state.apply(decision, WindowStats(), BUDGET, step=3, failed=[cfg(8)])
+    assert state.trials[-1].rule == "failed_on_a_rank"
+
+
+def test_a_trial_records_its_rule_and_a_failed_config_is_named_so():
+    state = TuningState()
+    state.start = state.current = cfg(0)
+    start = trial(0, 160, 10, fetch_cpu_ms=1)
+    decision = state.decide(start.stats, BUDGET, None)
+    state.apply(decision, start.stats, BUDGET, step=40)
+    assert state.trials[-1].rule == "jump_to_the_model"
+    assert "[jump_to_the_model] try workers=16" in summary_table(state.trials, None)
+    assert trial_from_dict(trial_to_dict(state.trials[-1])).rule == "jump_to_the_model"  # the report keeps it
+    state.current = cfg(16)
+    state.fail(WindowStats(), "a DataLoader worker died: killed", BUDGET, step=50)
+    assert state.trials[-1].rule == "config_failed" and state.trials[-1].failed
+
+
+def test_every_rule_has_a_case():
+    named = {rule.__name__ for rule in RULES} | {rule.__name__ for rule in SETTLE_OVERRIDES} | {"start_costs_more"}
+    assert named - set(CASES) == set(), "a rule without a case in CASES"
+    assert {rule.__name__ for rule in RULES} >= FINAL
+
+
+def test_an_older_trial_over_the_memory_budget_reads_as_that_rule():
+    """A report or checkpoint written before rules had names: the memory budget's failure is told by its words."""
+    old = {"settings": {"num_workers": 8}, "stats": {}, "failed": "over the memory budget (320 MiB of 200 MiB)"}
+    assert trial_from_dict(old).rule == "over_memory_budget"
+    assert trial_from_dict({**old, "failed": None}).rule == ""
