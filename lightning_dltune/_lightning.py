@@ -40,6 +40,7 @@ PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
         for attr in ("_data_source", "_combined_loader", "_data_fetcher", "_on_before_fetch", "_on_after_fetch")
     ),
     ("fit_loop.epoch_loop.val_loop", "_last_val_dl_reload_epoch"),
+    ("fit_loop.epoch_loop.val_loop", "_should_reload_val_dl"),  # whether its next pass asks for a new loader
     ("fit_loop.epoch_progress.current", "processed"),  # the epoch a validation pass sets its samplers to
 )
 # Private parts of the train CombinedLoader: (owner, attribute), the owner being what ``iter(CombinedLoader)`` makes.
@@ -610,7 +611,10 @@ def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None
     """Make a new iterator of ``loader`` draw its workers' base seed from a copy of the global random state
     (:func:`~lightning_dltune.switch.apart_from_global`) whenever ``when()`` says so; a later call replaces
     ``when``. The patch holds the loader weakly (a reference cycle would keep its persistent workers alive until a
-    garbage collection)."""
+    garbage collection). A loader whose iterators another patch creates (the train loader's, for seamless epochs)
+    is left as it is."""
+    if "_get_iterator" in loader.__dict__ and "_dltune_apart" not in loader.__dict__:
+        return
     if "_dltune_apart" not in loader.__dict__:
         get, ref = type(loader)._get_iterator, weakref.ref(loader)
 
@@ -621,6 +625,12 @@ def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None
 
         object.__setattr__(loader, "_get_iterator", get_iterator)  # past Lightning's record, as above
     object.__setattr__(loader, "_dltune_apart", when)
+
+
+def undo_iterators_apart(loader: DataLoader) -> None:
+    """Undo :func:`create_iterators_apart`: new iterators of ``loader`` draw as PyTorch's do."""
+    if loader.__dict__.pop("_dltune_apart", None) is not None:
+        loader.__dict__.pop("_get_iterator", None)
 
 
 def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
@@ -830,6 +840,12 @@ def request_loop_reload(loop: Any) -> None:
     loop._combined_loader = None
 
 
+def loop_reloads_next(loop: Any) -> bool:
+    """Whether ``fit``'s validation loop asks for a new loader at its next pass (``reload_dataloaders_every_n_epochs``;
+    ``False`` for another loop)."""
+    return bool(getattr(loop, "_should_reload_val_dl", False))
+
+
 def loop_reload_epoch(loop: Any) -> float | None:
     """The epoch ``fit``'s validation loop last requested its loader at (``None`` for another loop)."""
     return getattr(loop, "_last_val_dl_reload_epoch", None)
@@ -863,7 +879,6 @@ def reset_ahead(loader: Any, epoch: int) -> bool:
     if not will_reuse_iterator(loader) or not isinstance(iterator, _MultiProcessingDataLoaderIter):
         return False
     _set_sampler_epoch(loader, epoch)
-    _reset_as_pytorch_does(iterator)
     type(iterator)._reset(iterator, loader)
     _reset_once_used(iterator)
     return True

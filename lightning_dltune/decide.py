@@ -1205,7 +1205,8 @@ def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Pol
     if copy is None or copy <= policy.stall_threshold or best.settings.pin_memory:
         return None
     cand = replace(best.settings, pin_memory=True)
-    if cand in {t.settings for t in trials}:
+    # tried already, persistent or not (a loader Lightning reloads gets pinned memory without persistent workers)
+    if any(replace(t.settings, persistent_workers=cand.persistent_workers) == cand for t in trials):
         return None
     if budget.memory_bytes is not None:
         w = cand.num_workers

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from itertools import islice
@@ -189,9 +190,13 @@ class EvalTuner:
         self._draws: list[DataLoader] = []  # loaders that draw the base seed the user's would, after the reset
         self._sample_times: _lightning.SampleTimes | None = None  # the start-up batch's samples, timed as they load
         self.started_ahead = 0  # passes whose first batches began loading while training ran
+        self._fetch_at = 0.0  # when the running fetch began
+        self._patched: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders that draw as the user's (restored)
         self.fill_s: float | None = None  # from a pass's iterator request to its first batch, when last seen in full
         self._reset_at: float | None = None  # when the running pass requested its iterator
-        self._ahead: tuple[float, int] | None = None  # when, and at which sampler epoch, the next pass began early
+        # when, at which sampler epoch and on which loader the next pass began early
+        self._ahead: tuple[float, int, weakref.ref[DataLoader]] | None = None
+        self._first_wait_s = 0.0  # the running pass's first fetch's wait
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer", budget: Budget, agree_start: Callable[[str, Any], Any]) -> None:
@@ -212,7 +217,7 @@ class EvalTuner:
             _lightning.install_source_transform(self.loop, self._on_request, self.state.tuner_changed_workers),
             _lightning.wrap_loop_method(self.loop, "reset", self._before_reset, self._after_reset),
             _lightning.wrap_loop_method(self.loop, "run", *self.around),
-            _lightning.install_loop_fetch_hooks(self.loop, self._before_fetch, self.probe.fetch_ended),
+            _lightning.install_loop_fetch_hooks(self.loop, self._before_fetch, self._fetch_ended),
         ]
 
     def restore(self) -> None:
@@ -221,6 +226,9 @@ class EvalTuner:
             restore()
         self._restores = []
         self.probe.stop()
+        for loader in list(self._patched):
+            _lightning.undo_iterators_apart(loader)
+        self._patched = weakref.WeakSet()
         if self._sample_times is not None:
             self._sample_times.finish()
         self._user_loader = self._pass_loader = self._sample_times = None
@@ -292,10 +300,11 @@ class EvalTuner:
         """A pass creates (or resets) its iterator: its start-up begins, and what it draws is noted."""
         assert self.trainer is not None
         self._counting = True  # a sanity check too: its batches are the loader's first measurement
-        self._reset_at = self.probe.clock()
+        self._reset_at, self._first_wait_s = self.probe.clock(), 0.0
         loaders = _lightning.loop_loaders(self.loop)
-        if self._ahead is not None and self._ahead[1] != _lightning.validation_epoch(self.trainer):
-            self._ahead = None  # set ahead for another epoch than this pass's: Lightning's reset begins it again
+        ahead = self._ahead
+        if ahead is not None and (ahead[1] != _lightning.validation_epoch(self.trainer) or ahead[2]() not in loaders):
+            self._ahead = None  # set ahead for another epoch, or another loader: Lightning's reset begins it again
             for loader in loaders:
                 _lightning.reset_fresh_iterator(loader)
         start, self._draws = self.state.start, []
@@ -304,8 +313,10 @@ class EvalTuner:
             limits = getattr(self.loop, "max_batches", [1] * len(loaders))
             reused = [dl for dl, n in zip(loaders, limits, strict=False) if n and _lightning.will_reuse_iterator(dl)]
             self._draws = [] if self._user_resets else reused
+            resets = _weak_flag(self, "_user_resets")  # the loaders may outlive the tuner: they hold it weakly
             for loader in loaders:  # as Lightning processed them (a distributed sampler injected, say)
-                _lightning.create_iterators_apart(loader, lambda: self._user_resets)
+                _lightning.create_iterators_apart(loader, resets)
+                self._patched.add(loader)
         self._user_new = False
         if self.state.tuner_changed_workers():  # the count is the tuner's, and measured
             for loader in loaders:
@@ -350,6 +361,11 @@ class EvalTuner:
         plain = not isinstance(loader.dataset, IterableDataset) and _draws_nothing(loader)
         return plain and _lightning.in_order(iterator)
 
+    def _fetch_ended(self) -> None:
+        self.probe.fetch_ended()
+        if self._reset_at is not None:  # the pass's first fetch
+            self._first_wait_s = self.probe.clock() - self._fetch_at
+
     def batch_started(self) -> None:
         if self._reset_at is not None:  # the pass's first batch arrived
             self._filled(self.probe.clock() - self._reset_at)
@@ -388,12 +404,17 @@ class EvalTuner:
 
     def _filled(self, wait_s: float) -> None:
         """The pass's first batch arrived ``wait_s`` after its iterator was requested: what its loading takes from
-        the start (:attr:`fill_s`) where the pass began in the open, or began early and still waited."""
+        the start (:attr:`fill_s`) where the pass began in the open or began early and its first fetch still waited;
+        at most the time since the early start where that fetch did not wait."""
         ahead, self._ahead, self._reset_at = self._ahead, None, None
         if ahead is None:
             self.fill_s = wait_s
-        elif wait_s > 1e-3:  # the workers began at `ahead[0]`, and the batch came this late after the request
-            self.fill_s = self.probe.clock() - ahead[0]
+            return
+        since = self.probe.clock() - ahead[0]  # the workers began then
+        if self._first_wait_s > 1e-3:  # and the first fetch still waited: the batch took that long
+            self.fill_s = since
+        elif self.fill_s is not None:  # it was ready: it took that long at most
+            self.fill_s = min(self.fill_s, since)
 
     def start_ahead(self, trainer: "pl.Trainer", steps: int | None, step_s: float) -> None:
         """The next pass begins after ``steps`` more training steps of about ``step_s`` each (``None``: unknown): where
@@ -407,14 +428,17 @@ class EvalTuner:
         loaders = _lightning.loop_loaders(self.loop)
         if len(loaders) != 1 or not isinstance(loaders[0], DataLoader) or not _draws_nothing(loaders[0]):
             return
+        if _lightning.loop_reloads_next(self.loop):  # the pass asks for a new loader
+            return
         epoch = _lightning.validation_epoch(trainer)
         if _lightning.reset_ahead(loaders[0], epoch):
-            self._ahead = (self.probe.clock(), epoch)
+            self._ahead = (self.probe.clock(), epoch, weakref.ref(loaders[0]))
             self.started_ahead += 1
 
     def _before_fetch(self) -> None:
         if self._pending is not None:
             self._switch_inside(self._pending)
+        self._fetch_at = self.probe.clock()
         self.probe.fetch_started()
         guard = _lightning.loop_iterator(self.loop)
         if self._sample_times is not None:  # a second fetch before the step ended: the times are no one batch's
@@ -625,6 +649,12 @@ class EvalTuner:
         return report
 
 
+def _weak_flag(owner: Any, name: str) -> Callable[[], bool]:
+    """``owner.name``, read through a weak reference (``False`` once ``owner`` is gone)."""
+    ref = weakref.ref(owner)
+    return lambda: bool(getattr(ref(), name, False))
+
+
 def dataloaders_in(loaders: Any) -> list[DataLoader]:
     """The ``DataLoader``s a loader hook returned: one, or a list, tuple or dict of them (``[]`` for anything else)."""
     found = list(loaders.values()) if isinstance(loaders, dict) else loaders
@@ -637,7 +667,8 @@ def with_each_dataloader(loaders: Any, build: Callable[[DataLoader], DataLoader]
     if isinstance(loaders, dict):
         return {key: build(loader) for key, loader in loaders.items()}
     if isinstance(loaders, (list, tuple)):
-        return type(loaders)(build(loader) for loader in loaders)
+        built = [build(loader) for loader in loaders]
+        return type(loaders)(*built) if hasattr(loaders, "_fields") else type(loaders)(built)  # a namedtuple too
     return build(loaders)
 
 

@@ -387,9 +387,7 @@ class LoaderSwitcher:
         elif now:
             self._pending.settings, self._pending.in_background = settings, behind
         elif not last_epoch:
-            self._pending.at_epoch_end = (
-                True  # at the epoch's end: tearing the loader down now would end this epoch early
-            )
+            self._pending.at_epoch_end = True  # at the epoch's end: a teardown now would end this epoch early
 
     @property
     def changes_in_place(self) -> bool:

@@ -627,3 +627,15 @@ def test_a_state_whose_loader_lightning_reloads_builds_pinned_memory_without_per
     assert state.target == replace(pinned, persistent_workers=False)
     state.target = LoaderSettings.normalized(8)  # no pinned memory: persistent workers stay
     assert state.target.persistent_workers
+
+
+def test_each_loader_of_a_namedtuple_of_loaders_is_rebuilt_into_the_same_namedtuple():
+    from collections import namedtuple
+
+    from lightning_dltune.evaluation import dataloaders_in, with_each_dataloader
+
+    Pair = namedtuple("Pair", "clean noisy")
+    pair = Pair(DataLoader(range(4)), DataLoader(range(8)))
+    rebuilt = with_each_dataloader(pair, lambda loader: DataLoader(loader.dataset, batch_size=2))
+    assert isinstance(rebuilt, Pair) and [d.batch_size for d in dataloaders_in(rebuilt)] == [2, 2]
+    assert with_each_dataloader({"a": pair.clean}, lambda loader: loader) == {"a": pair.clean}

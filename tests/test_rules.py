@@ -175,3 +175,13 @@ def test_an_older_trial_over_the_memory_budget_reads_as_that_rule():
     old = {"settings": {"num_workers": 8}, "stats": {}, "failed": "over the memory budget (320 MiB of 200 MiB)"}
     assert trial_from_dict(old).rule == "over_memory_budget"
     assert trial_from_dict({**old, "failed": None}).rule == ""
+
+
+def test_pinned_memory_is_tried_once_where_lightning_reloads_and_its_workers_were_not_persistent():
+    """Where Lightning reloads the loader, the pinned trial ran without persistent workers (see
+    ``TuningState.within_reloads``): it counts as tried, and a settle after it is not turned into the same trial."""
+    start = copies(trial(4, 0.1, 10), 4, 6)
+    pinned = copies(trial(4, 0.1, 10), 4, 6)
+    pinned = Trial(replace(cfg(4), pin_memory=True, persistent_workers=False), pinned.stats)
+    decision = decide([start, pinned], BUDGET)
+    assert decision.action == "settle" and decision.rule != "pinned_memory_first", decision
