@@ -1206,7 +1206,8 @@ def _pin_trial(trials: Sequence[Trial], best: Trial, budget: Budget, policy: Pol
         return None
     cand = replace(best.settings, pin_memory=True)
     # tried already, persistent or not (a loader Lightning reloads gets pinned memory without persistent workers)
-    if any(replace(t.settings, persistent_workers=cand.persistent_workers) == cand for t in trials):
+    same = (cand.num_workers, cand.prefetch_factor, True)
+    if any((t.settings.num_workers, t.settings.prefetch_factor, t.settings.pin_memory) == same for t in trials):
         return None
     if budget.memory_bytes is not None:
         w = cand.num_workers
