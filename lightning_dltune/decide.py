@@ -223,8 +223,7 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     batch, sized, uncontended = _batch_times(usable, policy)
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, uncontended)
-    # Workers may use every CPU of the budget: the OS shares them with the training process, and reserving
-    # a core for it measurably lost throughput on CPU-bound loaders (benchmarks, "cpu" workload).
+    # workers may use every CPU of the budget: the OS shares them with the training process (docs/how-it-decides.md)
     worker_cpus = max(1.0, budget.cpus)
     needed = math.ceil(policy.headroom * sized / busy) if busy > 0 else budget.max_workers
     if cpu_per_batch > 0.02 * uncontended:

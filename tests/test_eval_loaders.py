@@ -569,7 +569,7 @@ def test_a_switch_from_the_users_persistent_workers_leaves_the_random_state_as_t
     # cache=False: a cached config would serve from the sanity check on, where the user's loader creates its first
     # iterator too; report_path=False: no report is read here
     runs = []
-    for callbacks in ([DataLoaderTuner(cache=False, report_path=False)], []):
+    for callbacks in ([DataLoaderTuner(cache=False, report_path=False)], []):  # defaults off: see above
         pl.seed_everything(7)
         after, model = RandomState(), EvalModel()
         trainer = make_trainer(tmp_path, [*callbacks, after], max_epochs=3, logger=False)
