@@ -980,7 +980,7 @@ RULES: tuple[Rule, ...] = (
     jump_to_the_model,
 )
 # the rules whose settle lands where it does whatever follows (the others' pass through SETTLE_OVERRIDES)
-FINAL = frozenset({"nothing_measured", "config_failed", "running_outgrows_memory"})
+FINAL = frozenset(rule.__name__ for rule in (nothing_measured, config_failed, running_outgrows_memory))
 
 
 # --- what a settle becomes: each returns another decision or passes -------------------------------------------------
@@ -1239,7 +1239,7 @@ def diagnose(
 ) -> str:
     """One sentence that says what bounds training, for the summary and the report. ``held``: the ``"hold"``
     decision that stopped tuning for the rest of the run, if one did (said at the end)."""
-    text = _diagnose(trials, settled, budget, policy, held is not None)
+    text = diagnosed(trials, settled, budget, policy, held is not None)[1]
     text += memory_diagnosis(trials, budget, policy)
     if held is None:
         return text
@@ -1524,10 +1524,6 @@ def diagnosed(
         if text is not None:
             return diagnosis.__name__, text
     return "stall_left", stall_left(r)
-
-
-def _diagnose(trials: Sequence[Trial], settled: LoaderSettings, budget: Budget, policy: Policy, held: bool) -> str:
-    return diagnosed(trials, settled, budget, policy, held)[1]
 
 
 def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: Policy) -> Decision | None:

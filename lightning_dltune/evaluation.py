@@ -229,9 +229,8 @@ class EvalTuner:
         for loader in list(self._patched):
             _lightning.undo_iterators_apart(loader)
         self._patched = weakref.WeakSet()
-        if self._sample_times is not None:
-            self._sample_times.finish()
-        self._user_loader = self._pass_loader = self._sample_times = None
+        self._stop_timing()
+        self._user_loader = self._pass_loader = None
         self._draws = []
 
     def shutdown(self) -> None:
@@ -379,9 +378,8 @@ class EvalTuner:
             return
         self.probe.step_ended(batch, details=not self.state.done)
         self._done += 1
-        if (timing := self._sample_times) is not None:  # the start-up batch, loaded in this process
-            self._sample_times = None
-            self.probe.startup_samples(timing.finish())
+        if (times := self._stop_timing()) is not None:  # the start-up batch, loaded in this process
+            self.probe.startup_samples(times)
         if not (self._in_pass and self.state.tuning and self.pass_budget is not None) or self._stale:
             return
         now = self.probe.peek()
@@ -441,13 +439,16 @@ class EvalTuner:
         self._fetch_at = self.probe.clock()
         self.probe.fetch_started()
         guard = _lightning.loop_iterator(self.loop)
-        if self._sample_times is not None:  # a second fetch before the step ended: the times are no one batch's
-            self._sample_times.finish()
-            self._sample_times = None
-        elif self._in_pass and self.probe.startup_next and isinstance(guard, PassGuard):
+        second = self._stop_timing() is not None  # a second fetch before the step ended: the times are no one batch's
+        if not second and self._in_pass and self.probe.startup_next and isinstance(guard, PassGuard):
             # at 0 workers, sample by sample: the pass's first window can then be judged on its start-up step alone
             # (`decide.steady_from_the_start`), as the train loader's is
             self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
+
+    def _stop_timing(self) -> list[float] | None:
+        """Stop timing samples (see ``_lightning.time_samples``); the times taken, or ``None`` when none was timing."""
+        timing, self._sample_times = self._sample_times, None
+        return None if timing is None else timing.finish()
 
     def _switch_inside(self, settings: LoaderSettings) -> None:
         """Go on from the batch the pass reached on a loader built with ``settings``."""
