@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
 
 from run import ratio_interval, verdict
 from sections import write_results, write_section

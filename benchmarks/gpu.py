@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.budget import cpu_budget
-from lightning_dltune.nvml import open_sampler
-from lightning_dltune.synthetic import busy_cpu
+from lightning_dltune.measurement.budget import cpu_budget
+from lightning_dltune.measurement.nvml import open_sampler
+from lightning_dltune.tools.synthetic import busy_cpu
 
 from sections import write_results
 

@@ -23,8 +23,13 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.memory import MiB
-from lightning_dltune.synthetic import PythonObjectsDataset, SimulatedModel, SyntheticDataModule, WorkerMemoryWatch
+from lightning_dltune.tools.synthetic import (
+    PythonObjectsDataset,
+    SimulatedModel,
+    SyntheticDataModule,
+    WorkerMemoryWatch,
+)
+from lightning_dltune.tuning.memory import MiB
 
 from sections import write_results, write_section
 

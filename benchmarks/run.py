@@ -15,6 +15,7 @@ accelerator's time is SIMULATED by a sleep in ``training_step`` (this machine ha
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import gc
 import importlib.util
@@ -38,9 +39,9 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.budget import cpu_budget, default_max_workers
-from lightning_dltune.loader import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
-from lightning_dltune.synthetic import (
+from lightning_dltune.measurement.budget import cpu_budget, default_max_workers
+from lightning_dltune.switching.loader import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
+from lightning_dltune.tools.synthetic import (
     ResNetClassifier,
     SimulatedModel,
     SyntheticDataModule,
@@ -243,6 +244,14 @@ def tuned_config(tuner: DataLoaderTuner) -> str:
     return describe((s["num_workers"], s.get("prefetch_factor") or 2)) + (" pinned" if s.get("pin_memory") else "")
 
 
+def rules_fired(tuner: DataLoaderTuner) -> collections.Counter[str]:
+    """The rules that made the tuner's decisions (one count per decision) and the diagnosis that made its summary."""
+    fired = collections.Counter(t.rule for t in tuner.trials if t.rule)
+    if tuner.state.diagnosed_by:
+        fired[tuner.state.diagnosed_by] += 1
+    return fired
+
+
 def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path, reps: int, refine: int) -> dict[str, Any]:
     w = WORKLOADS[name]
     cpus = cpu_budget().cpus
@@ -277,7 +286,8 @@ def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path, reps:
     seeded, seeded_ms = timed_run(w, (0, 2), epochs, seeded_tuner, seed=0)
     carried = seeded_tuner.switcher.seamless.carried
     print(f"  {name:12s} tuner, seeded loader ({carried} seamless epoch starts) {seeded:7.2f} s", flush=True)
-    arms = round_arms(w, name, epochs, oracle_c, cache_dir)
+    fired = rules_fired(tuner) + rules_fired(again) + rules_fired(seeded_tuner)
+    arms = round_arms(w, name, epochs, oracle_c, cache_dir, fired=fired)
     timing = rounds(arms, reps)
     for arm, got in timing.items():
         print(f"  {name:12s} re-timed {arm}: {[round(s, 2) for s in got['s']]} ({got['config']})", flush=True)
@@ -334,15 +344,24 @@ def run_workload(name: str, epochs: int, grid: list[int], cache_dir: Path, reps:
             for t in tuner.trials
         ],
         "static_grid": {describe(c): v for c, v in static.items()},
+        # every tuner run of the workload (first, cache, seeded, the rounds'): each rule's decisions, and diagnoses
+        "rules_fired": dict(fired.most_common()),
     }
 
 
 def round_arms(
-    w: dict[str, Any], name: str, epochs: int, oracle: Config, cache_dir: Path, seamless: bool = True
+    w: dict[str, Any],
+    name: str,
+    epochs: int,
+    oracle: Config,
+    cache_dir: Path,
+    seamless: bool = True,
+    fired: collections.Counter[str] | None = None,
 ) -> dict[str, Callable[[], tuple[float, float, str]]]:
     """The arms re-timed in rounds: the oracle's config, a fresh tuner from 0 workers, and (where the oracle has
     workers to load ahead with) the oracle's config with seamless epochs, the documented way to have them alone:
-    ``DataLoaderTuner(max_trials=1, cache=False)`` keeps the loader's config and only measures it."""
+    ``DataLoaderTuner(max_trials=1, cache=False)`` keeps the loader's config and only measures it. ``fired``: counts
+    the rules of each tuner run (:func:`rules_fired`)."""
     count = itertools.count()
 
     def oracle_arm() -> tuple[float, float, str]:
@@ -350,7 +369,10 @@ def round_arms(
 
     def tuner_arm() -> tuple[float, float, str]:
         tuner = DataLoaderTuner(verbose=False, report_path=False, cache=cache_dir / f"{name}_again{next(count)}.json")
-        return (*timed_run(w, (0, 2), epochs, tuner), tuned_config(tuner))
+        timed = timed_run(w, (0, 2), epochs, tuner)
+        if fired is not None:
+            fired.update(rules_fired(tuner))
+        return (*timed, tuned_config(tuner))
 
     def seamless_arm() -> tuple[float, float, str]:
         tuner = DataLoaderTuner(max_trials=1, cache=False, verbose=False, report_path=False)
@@ -630,8 +652,26 @@ def prose(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def fired_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The rules fired per workload, over every tuner run of it: each decision's rule, and the diagnosis."""
+    if not any("rules_fired" in r for r in rows):
+        return []
+    lines = [
+        "",
+        "Rules fired per workload, over every tuner run of it (the first, the cache's, the seeded loader's and the "
+        "rounds'): each decision counts its rule, each run's summary its diagnosis (`docs/how-it-decides.md`):",
+        "",
+        "| workload | rules fired (times) |",
+        "|---|---|",
+    ]
+    for r in rows:
+        fired = r.get("rules_fired", {})
+        lines.append(f"| {r['workload']} | {', '.join(f'`{k}` {v}' for k, v in fired.items()) or '-'} |")
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
-    lines = prose(results) + table(results["workloads"])
+    lines = prose(results) + table(results["workloads"]) + fired_markdown(results["workloads"])
     if "long_epoch" in results:  # absent from a run of the workloads alone (--workloads-only)
         lines += long_epoch_markdown(results["long_epoch"]) + overhead_markdown(results["overhead"])
     return "\n".join(lines + gpu_markdown(HERE / "results" / "gpu_cuda.json"))
@@ -646,7 +686,8 @@ def workloads_section(results: dict[str, Any], epochs: int, argv: list[str] | No
             f"the tuner took {interval(r['paired'])} the oracle's whole run on {r['workload']} "
             f"({verdict(r['paired'], r['target'])})."
         )
-    return [" ".join(lines), "", environment(results, epochs), "", *table(results["workloads"])]
+    rows = results["workloads"]
+    return [" ".join(lines), "", environment(results, epochs), "", *table(rows), *fired_markdown(rows)]
 
 
 def environment(results: dict[str, Any], epochs: int) -> str:

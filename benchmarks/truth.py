@@ -14,7 +14,7 @@ Per steady-state logging window (no epoch start inside it), the truth is taken f
 where "idle per step with the data already in memory" comes from a calibration run on pre-built batches (the
 framework's own time between steps and the known host work, which no loader can remove). The production time
 of a batch is known independently: one batch built in the main process, timed here apart from any training.
-The tuner's figures are its logged ``stall_frac`` and ``decide.estimate(...).batch_s`` (the model's per-batch
+The tuner's figures are its logged ``stall_frac`` and ``model.estimate(...).batch_s`` (the model's per-batch
 production time), read where the model uses it: at 0 workers, or with workers that stall.
 
     python benchmarks/truth.py                # writes benchmarks/results/truth.json
@@ -37,11 +37,11 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data import default_collate as collate
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.budget import cpu_budget
-from lightning_dltune.decide import Budget, Policy, Trial, estimate
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.budget import cpu_budget
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
+from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate
 
 from sections import write_results, write_section
 
@@ -271,7 +271,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"(last column: its step with one thread / default threads), not as data wait, so the true idle exceeds its "
         f"stall there (largest window {sd['max_stall_error_pp']:.1f} pp). The same bias makes the step measured at "
         "0 workers longer than the step with workers; the tuner corrects the first jump with the step it measures "
-        "after switching (`decide.sized_on_a_longer_step`), and `torch.set_num_threads(1)` in a process that "
+        "after switching (`windows.sized_on_a_longer_step`), and `torch.set_num_threads(1)` in a process that "
         "loads on few CPUs removes it.",
     ]
     return "\n".join(lines)

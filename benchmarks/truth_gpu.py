@@ -2,7 +2,8 @@
 
 On CUDA the tuner does not trust host timestamps: kernels run asynchronously, so the host can wait for the next
 batch while the GPU still works through the previous step. It reads the GPU's idle gap from CUDA events instead
-(``lightning_dltune.gpu.GpuTimeline``, logged as ``dltune/gpu_stall_frac``). This benchmark checks that figure
+(``lightning_dltune.measurement.gpu.GpuTimeline``, logged as ``dltune/gpu_stall_frac``). This benchmark checks that
+figure
 against references that do not come from the tuner's accounting:
 
 - **synchronized reference**: the same training with ``torch.cuda.synchronize()`` at the end of every step, timed
@@ -44,8 +45,8 @@ import torch
 from torch.utils.data import DataLoader
 from truth import BATCH, Prebuilt, collate, observe, production_s
 
-from lightning_dltune.measure import WindowStats
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
+from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset, in_memory_dataset
 
 from sections import write_results, write_section
 

@@ -6,7 +6,7 @@ python examples/cli_main.py fit --help     # every DataLoaderTuner argument, typ
 
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule
 
 
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:

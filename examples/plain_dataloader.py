@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
 
 
 class MyModel(SimulatedModel):

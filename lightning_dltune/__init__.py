@@ -2,12 +2,14 @@
 
 from lightning_dltune._warn import DLTuneWarning
 from lightning_dltune.callback import DataLoaderTuner
-from lightning_dltune.decide import Budget, Decision, Policy, Trial, decide, diagnose
-from lightning_dltune.gpu import GpuStats, GpuTimeline
-from lightning_dltune.measure import StepTimer, WindowStats
+from lightning_dltune.measurement.gpu import GpuStats, GpuTimeline
+from lightning_dltune.measurement.measure import StepTimer, WindowStats
 from lightning_dltune.mixin import TunableDataModuleMixin
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.state import Phase, TuningState
+from lightning_dltune.tuning.diagnose import diagnose
+from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial
+from lightning_dltune.tuning.rules import decide
+from lightning_dltune.tuning.state import Phase, TuningState
 
 __version__ = "0.1.0"
 

@@ -1,10 +1,10 @@
 """``DataLoaderTuner``: the Lightning callback. Only glue: its hooks forward to the parts that own the work.
 
-* :class:`~lightning_dltune.probe.Probe` measures (the step timer, the GPU timeline, CPU and worker memory);
-* :class:`~lightning_dltune.state.TuningState` decides and remembers (phase, trials, settings, result);
-* :class:`~lightning_dltune.agree.Agreement` makes every decision the same on every rank;
-* :class:`~lightning_dltune.loader.LoaderSwitcher` builds, switches and recovers the train loader;
-* :class:`~lightning_dltune.view.RunView` shows the run: the loggers, TensorBoard's dashboard and text, the PNG.
+* :class:`~lightning_dltune.measurement.probe.Probe` measures (the step timer, the GPU timeline, CPU and worker memory);
+* :class:`~lightning_dltune.tuning.state.TuningState` decides and remembers (phase, trials, settings, result);
+* :class:`~lightning_dltune.tuning.agree.Agreement` makes every decision the same on every rank;
+* :class:`~lightning_dltune.switching.loader.LoaderSwitcher` builds, switches and recovers the train loader;
+* :class:`~lightning_dltune.output.view.RunView` shows the run: the loggers, TensorBoard's dashboard and text, the PNG.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dltune._warn import reset_warnings
-from lightning_dltune.agree import Agreement
-from lightning_dltune.budget import tuner_budget, warn_shm_risk
-from lightning_dltune.cache import RunCache
-from lightning_dltune.decide import Budget, Policy
-from lightning_dltune.evaluation import EVAL_LOOPS, EvalLoaders, EvalLoopHooks, beside
-from lightning_dltune.loader import LoaderSwitcher, is_last_epoch, remaining_steps
-from lightning_dltune.measure import WindowStats
-from lightning_dltune.probe import Probe
-from lightning_dltune.report import build_report, window_metrics
+from lightning_dltune.measurement.budget import tuner_budget, warn_shm_risk
+from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.measurement.probe import Probe
+from lightning_dltune.output.cache import RunCache
+from lightning_dltune.output.report import build_report, window_metrics
+from lightning_dltune.output.view import RunView
 from lightning_dltune.settings import LoaderSettings, check_one_tuner, check_tuner_arguments
-from lightning_dltune.state import Mode, Phase, TuningState, WindowPlan
-from lightning_dltune.view import RunView
+from lightning_dltune.switching.evaluation import EVAL_LOOPS, EvalLoaders, EvalLoopHooks, beside
+from lightning_dltune.switching.loader import LoaderSwitcher, is_last_epoch, remaining_steps
+from lightning_dltune.tuning.agree import Agreement
+from lightning_dltune.tuning.model import Budget, Policy
+from lightning_dltune.tuning.state import Mode, Phase, TuningState, WindowPlan
 
 
 class DataLoaderTuner(EvalLoopHooks, Callback):
@@ -46,7 +46,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     paying) it settles, prints a summary with a one-line diagnosis, and writes ``dltune_report.json``.
 
     On CUDA the stall is measured as the GPU sees it: CUDA events at step end, fetch start and end, and step
-    start, read later without synchronizing (:class:`~lightning_dltune.gpu.GpuTimeline`), give the GPU's idle
+    start, read later without synchronizing (:class:`~lightning_dltune.measurement.gpu.GpuTimeline`), give the GPU's
+    idle
     gap and the host-to-device copy per step. Decisions then use the GPU's idle gap, and when copies take more
     than ``stall_threshold`` of the GPU's time the tuner tries ``pin_memory=True`` and keeps it if faster.
 
@@ -98,7 +99,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             ``RandomSampler`` without a generator is then seeded from the run's seed and the epoch (reproducible,
             but not the order a run without the tuner draws). ``False``: off.
         eval_loops: the evaluation loops whose loader is measured and tuned too, from ``"val"`` (validation in
-            ``fit`` and ``trainer.validate``), ``"test"`` and ``"predict"`` (see :mod:`lightning_dltune.evaluation`);
+            ``fit`` and ``trainer.validate``), ``"test"`` and ``"predict"`` (see
+            :mod:`lightning_dltune.switching.evaluation`);
             ``()`` for none. All by default: Lightning validates after every epoch, and a validation loader left at
             the default 0 workers can take longer than the tuned training it follows.
 
@@ -108,7 +110,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
 
     Attributes:
         best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
-        trials: the measured :class:`~lightning_dltune.decide.Trial` history.
+        trials: the measured :class:`~lightning_dltune.tuning.model.Trial` history.
         diagnosis: one sentence on what bounds training.
         settled_step: the global step at which tuning settled, or held for the rest of the run (``None`` until
             then).
@@ -209,7 +211,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self._steps_since_log = 0
 
     # --- results, read from the parts ---------------------------------------------------------------------------
-    phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.state.Phase`.")
+    phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.tuning.state.Phase`.")
     trials = property(lambda self: self.state.trials, doc="Every measured trial.")
     best_settings = property(lambda self: self.state.best_settings, doc="The result as ``DataLoader`` kwargs.")
     settled_step = property(lambda self: self.state.settled_step, doc="The step tuning ended at.")

@@ -210,7 +210,7 @@ def check_tuner_arguments(
     eval_loops: Any = ("val", "test", "predict"),
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
-    from lightning_dltune.state import MODES
+    from lightning_dltune.tuning.state import MODES
 
     in_range = lambda: 0 < stall_threshold < 1  # noqa: E731
     check_float(stall_threshold, "stall_threshold", "in (0, 1)", in_range, "Use 0.05 to accept a 5% stall.")

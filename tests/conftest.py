@@ -60,3 +60,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    """``DLTUNE_RULES_FIRED=path``: record, over the session, each rule of the decision's tables that decided (a
+    ``Decision`` made under its name), each reason a window was judged early or ran on, and each diagnosis, with the
+    tests that fired it, and write them to ``path`` as JSON at the end (``docs/how-it-decides.md``, "What fires")."""
+    import os
+
+    if not os.environ.get("DLTUNE_RULES_FIRED"):
+        return
+    from helpers import count_rules_fired
+
+    session.config._dltune_fired = (count_rules_fired(), {})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    fired = getattr(item.config, "_dltune_fired", None)
+    before = None if fired is None else fired[0].copy()
+    yield
+    if fired is not None:
+        for rule in fired[0] - before:
+            fired[1].setdefault(rule, []).append(item.nodeid)
+
+
+def pytest_sessionfinish(session):
+    import json
+    import os
+
+    fired = getattr(session.config, "_dltune_fired", None)
+    if fired is not None:
+        counts, tests = fired
+        with open(os.environ["DLTUNE_RULES_FIRED"], "w") as f:
+            json.dump({"counts": dict(sorted(counts.items())), "tests": dict(sorted(tests.items()))}, f, indent=1)

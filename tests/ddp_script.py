@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 
 class Record(pl.Callback):

@@ -89,3 +89,39 @@ def scalars(log_dir, tag):
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return [e.value for e in events.Scalars(tag)]
+
+
+def count_rules_fired():
+    """Count each rule that fires from now on, in this process: a ``Decision`` made under a rule's name, and each
+    entry of ``windows.JUDGED_EARLY``, ``windows.RUNS_ON`` and ``diagnose.DIAGNOSES`` that holds. Returns the live
+    ``Counter`` (rule name -> times fired)."""
+    import collections
+    import functools
+
+    from lightning_dltune.tuning import diagnose, model, state, windows
+
+    fired = collections.Counter()
+    init = model.Decision.__init__
+
+    def counted_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.rule:
+            fired[self.rule] += 1
+
+    model.Decision.__init__ = counted_init
+
+    def counted(rule):
+        @functools.wraps(rule)
+        def wrapper(*args, **kwargs):
+            result = rule(*args, **kwargs)
+            if result:
+                fired[rule.__name__] += 1
+            return result
+
+        return wrapper
+
+    windows.JUDGED_EARLY = tuple(map(counted, windows.JUDGED_EARLY))
+    windows.RUNS_ON = state.RUNS_ON = tuple(map(counted, windows.RUNS_ON))
+    diagnose.DIAGNOSES = tuple(map(counted, diagnose.DIAGNOSES))
+    diagnose.stall_left = counted(diagnose.stall_left)
+    return fired

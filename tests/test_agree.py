@@ -4,10 +4,10 @@ import dataclasses
 
 import torch
 
-from lightning_dltune.agree import Agreement
-from lightning_dltune.decide import Budget, Decision
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.agree import Agreement
+from lightning_dltune.tuning.model import Budget, Decision
 
 FIELDS = [f.name for f in dataclasses.fields(WindowStats)]
 
@@ -115,3 +115,14 @@ def test_a_cache_hit_is_rank_zeros_and_only_when_every_rank_has_the_same_key():
     assert agreement.same_start("k1", None) == ("rank 0's settings", {})  # this rank missed, rank 0 hit: follow it
     strategy.other_key = digest("k2")  # another node, another key (its CPUs differ, say)
     assert agreement.same_start("k1", ("mine", {})) is None  # nobody starts from the cache
+
+
+def test_every_memory_field_is_agreed_on_as_the_largest_rank_s():
+    """Memory is held per node: a new memory field of ``WindowStats`` must be in ``agree._MAX_FIELDS``."""
+    import dataclasses
+
+    from lightning_dltune.measurement.measure import WindowStats
+    from lightning_dltune.tuning import agree
+
+    memory_fields = {f.name for f in dataclasses.fields(WindowStats) if "mem" in f.name} | {"batch_bytes"}
+    assert memory_fields == set(agree._MAX_FIELDS)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from lightning_dltune.bench import (
+from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tools.bench import (
     BenchRow,
     check_limits,
     in_flight,
@@ -12,8 +13,7 @@ from lightning_dltune.bench import (
     steady_rate,
     window_sizes,
 )
-from lightning_dltune.cli import main
-from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tools.cli import main
 
 from test_cli import forget_module
 
@@ -109,7 +109,7 @@ def test_a_loader_too_short_for_one_window_is_iterated_over_several_epochs(known
 def test_a_config_whose_batches_in_flight_outgrow_dev_shm_is_not_run_and_the_recommendation_says_so(
     known, tmp_path, monkeypatch, capsys
 ):
-    from lightning_dltune import bench
+    from lightning_dltune.tools import bench
 
     # a container's 64 MiB /dev/shm (the real one here has gigabytes): a batch of 8 x 4 floats is 128 bytes plus
     # 64 bytes of indices; 1 worker x prefetch 2 fits in 500 bytes' half, 2 x 2 does not

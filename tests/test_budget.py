@@ -2,7 +2,13 @@ import os
 
 import pytest
 
-from lightning_dltune.budget import cpu_budget, default_max_workers, make_budget, read_affinity, read_cpu_quota
+from lightning_dltune.measurement.budget import (
+    cpu_budget,
+    default_max_workers,
+    make_budget,
+    read_affinity,
+    read_cpu_quota,
+)
 
 
 def write(root, rel, text):
@@ -79,7 +85,7 @@ def test_user_cap_is_named_in_the_budget(v2_tree):
 
 
 def test_memory_budget_from_meminfo(tmp_path):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(tmp_path, "proc/meminfo", "MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
     b = memory_budget(tmp_path, fraction=0.5)
@@ -88,7 +94,7 @@ def test_memory_budget_from_meminfo(tmp_path):
 
 
 def test_cgroup_v2_memory_max_bounds_when_tighter(v2_tree):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(v2_tree, "proc/meminfo", "MemAvailable:   64000000 kB\n")
     write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/memory.max", "max\n")
@@ -99,7 +105,7 @@ def test_cgroup_v2_memory_max_bounds_when_tighter(v2_tree):
 
 
 def test_cgroup_v1_memory_limit(tmp_path):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(tmp_path, "proc/self/cgroup", "5:memory:/docker/abc\n")
     write(tmp_path, "proc/meminfo", "MemAvailable:   64000000 kB\n")
@@ -110,7 +116,7 @@ def test_cgroup_v1_memory_limit(tmp_path):
 
 
 def test_shm_size_under_a_root(tmp_path):
-    from lightning_dltune.budget import shm_free_bytes
+    from lightning_dltune.measurement.budget import shm_free_bytes
 
     assert shm_free_bytes(tmp_path) is None  # no /dev/shm there
     (tmp_path / "dev" / "shm").mkdir(parents=True)
@@ -120,7 +126,7 @@ def test_shm_size_under_a_root(tmp_path):
 def test_real_machine_memory_and_shm():
     import psutil
 
-    from lightning_dltune.budget import memory_budget, shm_free_bytes
+    from lightning_dltune.measurement.budget import memory_budget, shm_free_bytes
 
     b = memory_budget()
     assert 0 < b.bytes <= psutil.virtual_memory().total
@@ -132,7 +138,7 @@ def test_real_machine_memory_and_shm():
 
 
 def test_cgroup_v2_page_cache_is_not_counted_as_used(v2_tree):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     ctr = "sys/fs/cgroup/kubepods/pod1/ctr/"
     write(v2_tree, "proc/meminfo", "MemAvailable:   64000000 kB\n")
@@ -143,7 +149,7 @@ def test_cgroup_v2_page_cache_is_not_counted_as_used(v2_tree):
 
 
 def test_cgroup_v1_page_cache_is_not_counted_as_used(tmp_path):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(tmp_path, "proc/self/cgroup", "5:memory:/docker/abc\n")
     write(tmp_path, "proc/meminfo", "MemAvailable:   64000000 kB\n")
@@ -155,7 +161,7 @@ def test_cgroup_v1_page_cache_is_not_counted_as_used(tmp_path):
 
 def test_a_container_root_cgroup_is_read(tmp_path):
     """Inside a container the process sits at the namespace's root, "0::/": the limits are on the mount itself."""
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(tmp_path, "proc/self/cgroup", "0::/\n")
     write(tmp_path, "proc/self/status", "Cpus_allowed_list:\t0-31\n")
@@ -206,7 +212,7 @@ def test_no_cpu_limit_at_all(tmp_path):
     ],
 )
 def test_malformed_cgroup_files_never_raise(v2_tree, rel, text):
-    from lightning_dltune.budget import memory_budget
+    from lightning_dltune.measurement.budget import memory_budget
 
     write(v2_tree, "sys/fs/cgroup/kubepods/pod1/ctr/memory.max", str(2**30))
     write(v2_tree, rel, text)

@@ -3,9 +3,9 @@ import json
 import pytest
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
-from lightning_dltune.cache import CACHE_FORMAT, TuningCache, cache_key, default_cache_path
+from lightning_dltune.output.cache import CACHE_FORMAT, TuningCache, cache_key, default_cache_path
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import make_trainer
 
@@ -126,7 +126,7 @@ def test_a_heavier_per_sample_cost_does_not_pass_for_the_cached_workload(tmp_pat
 
 
 def test_dltune_cache_lists_and_clears(tmp_path, capsys):
-    from lightning_dltune.cli import main
+    from lightning_dltune.tools.cli import main
 
     path = tmp_path / "c.json"
     TuningCache(path).put(FIELDS, LoaderSettings.normalized(6, 4), {"samples_per_s": 100.0})

@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
 
 from helpers import CORES, EpochClock, make_trainer
 

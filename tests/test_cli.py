@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dltune.cli import main
+from lightning_dltune.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def test_lightning_cli_yaml_builds_the_tuner_and_trains(tmp_path, monkeypatch):
 def test_lightning_cli_help_documents_every_tuner_argument(capsys, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_dltune.synthetic import SimulatedModel
+    from lightning_dltune.tools.synthetic import SimulatedModel
 
     monkeypatch.setattr(sys, "argv", ["prog", "--trainer.callbacks.help", "lightning_dltune.DataLoaderTuner"])
     with pytest.raises(SystemExit):
@@ -133,7 +133,7 @@ def test_lightning_cli_help_documents_every_tuner_argument(capsys, monkeypatch):
 def test_lightning_cli_rejects_a_bad_mode_at_parse_time(capsys, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_dltune.synthetic import SimulatedModel
+    from lightning_dltune.tools.synthetic import SimulatedModel
 
     args = ["prog", "--trainer.callbacks=lightning_dltune.DataLoaderTuner", "--trainer.callbacks.mode=sometimes"]
     monkeypatch.setattr(sys, "argv", args)

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.gpu import CudaEvent, GpuTimeline
-from lightning_dltune.synthetic import SyntheticDataset
+from lightning_dltune.measurement.gpu import CudaEvent, GpuTimeline
+from lightning_dltune.tools.synthetic import SyntheticDataset
 
 from helpers import make_trainer, scalars
 

@@ -2,22 +2,15 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_dltune.decide import (
-    Budget,
-    Policy,
-    Trial,
-    decide,
-    diagnose,
-    estimate,
-    handover_s,
-    pick_best,
-    steady_from_the_start,
-    verify_cached,
-)
-from lightning_dltune.measure import WindowStats
-from lightning_dltune.memory import MiB
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.state import TuningState
+from lightning_dltune.tuning.compare import pick_best
+from lightning_dltune.tuning.diagnose import diagnose
+from lightning_dltune.tuning.memory import MiB
+from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate, handover_s
+from lightning_dltune.tuning.rules import decide, verify_cached
+from lightning_dltune.tuning.state import TuningState
+from lightning_dltune.tuning.windows import steady_from_the_start
 
 BUDGET = Budget(cpus=2.0, max_workers=16)
 
@@ -616,7 +609,7 @@ def test_moving_away_from_the_starting_config_needs_a_win_beyond_noise(start, ot
 def test_a_step_shorter_within_its_noise_still_counts_where_the_walls_show_the_win():
     # dltune demo: 10 workers took 1.6 ms off a 13.3 ms step (within its noise) and 0.6 ms off the wait: on the
     # waits alone 4% (not the 5% it takes), on the walls 13% beyond their noise
-    from lightning_dltune.decide import faster_by
+    from lightning_dltune.tuning.compare import faster_by
 
     six = trial(6, 3.5, 13.3, steps=55, sem_ms=0.5, wait_sem_ms=0.4, busy_sem_ms=1.0)
     ten = trial(10, 2.9, 11.7, steps=59, sem_ms=0.5, wait_sem_ms=0.35, busy_sem_ms=1.0)
@@ -674,7 +667,7 @@ def with_mem(t, worker_mib, batch_mib=0.0, growth_mib=0.0, main_mib=0.0, epoch=0
     per batch a worker loads, in a process of ``main_mib`` and an epoch of ``epoch`` batches."""
     from dataclasses import replace
 
-    from lightning_dltune.memory import WorkerMemory
+    from lightning_dltune.tuning.memory import WorkerMemory
 
     w = t.settings.num_workers
     total = worker_mib * w if total_mib is None else total_mib
@@ -758,7 +751,7 @@ def test_a_switch_must_pay_for_its_start_up_in_the_steps_left():
 def test_restart_cost_is_measured_per_worker_on_earlier_trials():
     from dataclasses import replace
 
-    from lightning_dltune.decide import restart_cost_s
+    from lightning_dltune.tuning.model import restart_cost_s
 
     assert restart_cost_s([trial(0, 160, 10)], 8) == pytest.approx(8 * Policy().startup_prior_s)
     measured = trial(4, 30, 10)
@@ -772,7 +765,7 @@ def test_restart_cost_is_measured_per_worker_on_earlier_trials():
 
 
 def test_a_start_in_the_background_is_charged_its_build_not_its_first_batches():
-    from lightning_dltune.decide import restart_cost_s
+    from lightning_dltune.tuning.model import restart_cost_s
 
     # 4 workers started in the open: 0.8 s, of which 0.1 s building the loader, the rest its first batches
     opened = trial(4, 30, 10)
@@ -817,7 +810,7 @@ def test_a_prefetch_change_made_on_the_running_workers_is_charged_no_restart():
     ],
 )
 def test_a_window_whose_comparison_is_within_noise_runs_on_up_to_four_times_min_steps(last, still):
-    from lightning_dltune.decide import still_open
+    from lightning_dltune.tuning.windows import still_open
 
     history = [trial(0, 40, 8, fetch_cpu_ms=1), trial(6, 4.0, 10, steps=35, sem_ms=0.5, wait_sem_ms=0.5)]
     assert still_open([*history, last]) == still
@@ -853,7 +846,8 @@ CPU_START = trial(0, 16.5, 6.9, steps=3, fetch_cpu_ms=16.0, sem_ms=0.3, wait_sem
     ],
 )
 def test_a_win_over_a_start_at_0_workers_within_noise_is_not_yet_shown(history, shown):
-    from lightning_dltune.decide import pick_best, win_not_yet_shown
+    from lightning_dltune.tuning.compare import pick_best
+    from lightning_dltune.tuning.windows import win_not_yet_shown
 
     trials = [CPU_START, *history]
     assert win_not_yet_shown(trials) is not shown
@@ -862,7 +856,7 @@ def test_a_win_over_a_start_at_0_workers_within_noise_is_not_yet_shown(history, 
 
 
 def test_a_start_with_workers_is_not_waited_on_for_a_win():
-    from lightning_dltune.decide import win_not_yet_shown
+    from lightning_dltune.tuning.windows import win_not_yet_shown
 
     # the user's 4 workers, then 8 that read faster within noise: settling keeps the running 8 (stay_on_running),
     # nothing goes back to the start, so nothing is gained by running on
@@ -911,7 +905,7 @@ def test_going_back_to_a_shallower_prefetch_on_the_running_workers_is_free_so_th
 
 
 def test_the_step_with_workers_is_compared_with_the_step_the_jump_was_sized_on():
-    from lightning_dltune.decide import sized_on_a_longer_step
+    from lightning_dltune.tuning.windows import sized_on_a_longer_step
 
     # 0 workers: a mean step of 12.5 ms inflated by slow steps, a median of 8 ms (what the jump was sized on)
     start = Trial(cfg(0), replace(trial(0, 60, 12.5).stats, busy_p50_s=0.008))
@@ -987,7 +981,7 @@ def test_verify_cached_tolerates_noise_around_the_threshold_only(entry, window, 
     ],
 )
 def test_handover_lead_is_what_fits_in_a_new_workers_first_batch(running, lead):
-    from lightning_dltune.decide import handover_lead
+    from lightning_dltune.tuning.model import handover_lead
 
     assert handover_lead([running]) == lead
     assert handover_lead([]) == 0  # nothing measured: take over at once
@@ -1005,7 +999,7 @@ def test_handover_lead_is_what_fits_in_a_new_workers_first_batch(running, lead):
     ],
 )
 def test_leaving_the_start_is_shown_by_every_one_of_its_steps_being_slower(start, best_kept):
-    from lightning_dltune.decide import pick_best
+    from lightning_dltune.tuning.compare import pick_best
 
     workers = trial(16, 0.5, 10, steps=20, sem_ms=0.5)
     assert pick_best([start, workers]) is (workers if best_kept else start)

@@ -3,7 +3,7 @@
 import csv
 
 from lightning_dltune import _imports
-from lightning_dltune.demo import run_demo
+from lightning_dltune.tools.demo import run_demo
 
 
 def test_the_demo_falls_back_to_csv_without_tensorboard(tmp_path, monkeypatch, capsys):

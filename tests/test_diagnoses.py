@@ -1,11 +1,12 @@
-"""One case per diagnosis (``decide.DIAGNOSES`` and ``stall_left``): the measurements that select it, and what it
+"""One case per diagnosis (``diagnose.DIAGNOSES`` and ``stall_left``): the measurements that select it, and what it
 says. A diagnosis added without a case here fails ``test_every_diagnosis_has_a_case``."""
 
 from dataclasses import replace
 
 import pytest
 
-from lightning_dltune.decide import DIAGNOSES, Budget, diagnose, diagnosed
+from lightning_dltune.tuning.diagnose import DIAGNOSES, diagnose, diagnosed
+from lightning_dltune.tuning.model import Budget
 
 from test_decide import BUDGET, cfg, trial, with_mem
 from test_rules import copies
@@ -107,7 +108,7 @@ def test_what_is_left_says_what_was_measured():
 
 
 def test_a_held_run_says_why_it_stopped():
-    from lightning_dltune.decide import Decision
+    from lightning_dltune.tuning.model import Decision
 
     trials, settled, budget, _, _ = CASES["stopped_for_the_run"]
     held = Decision("hold", cfg(16), "workers=16 prefetch=2 would save about 0.10 s over the 8 steps left")

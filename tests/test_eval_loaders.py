@@ -12,9 +12,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner, TunableDataModuleMixin
-from lightning_dltune.decide import Budget
-from lightning_dltune.evaluation import beside
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.switching.evaluation import beside
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.tuning.model import Budget
 
 from helpers import make_trainer, scalars
 
@@ -329,7 +329,7 @@ def test_validation_is_left_out_of_the_train_window_its_set_up_and_its_workers_c
     """The validation loop's run (its loader request, its iterator's creation and first batch, then the pass) pauses
     the train loader's measurement; pauses nest (the run around ``on_validation_start``/``_end``); the CPU the
     children spend meanwhile is not the window's."""
-    from lightning_dltune.probe import Probe
+    from lightning_dltune.measurement.probe import Probe
 
     now, cpu = [0.0], [(0.0, 0.0)]
     probe = Probe(clock=lambda: now[0], cpu_clock=lambda: 0.0, cpu_seconds=lambda: cpu[0])
@@ -365,7 +365,7 @@ class KillValidationWorker(pl.Callback):
         import os
         import signal
 
-        from lightning_dltune import _lightning
+        from lightning_dltune.switching import _lightning
 
         if trainer.sanity_checking or trainer.current_epoch != self.epoch or batch_idx != 3 or self.killed:
             return
@@ -393,9 +393,9 @@ def test_a_validation_worker_killed_mid_pass_loses_and_repeats_nothing(tmp_path,
 def test_persistent_evaluation_workers_that_the_memory_left_cannot_hold_start_afresh_each_pass(monkeypatch):
     """What the workers hold is a stand-in here (a real reading is in the memory tests): 100 MiB against the 50 MiB
     the budget leaves beside the other loaders' workers."""
-    from lightning_dltune.decide import Policy
-    from lightning_dltune.evaluation import EvalTuner
     from lightning_dltune.settings import LoaderSettings
+    from lightning_dltune.switching.evaluation import EvalTuner
+    from lightning_dltune.tuning.model import Policy
 
     tuner = EvalTuner("val", Policy())
     tuner.state.target = LoaderSettings.normalized(8)
@@ -584,7 +584,7 @@ def test_a_switch_from_the_users_persistent_workers_leaves_the_random_state_as_t
 def test_a_new_iterator_created_apart_draws_nothing_from_the_global_random_state():
     """Between passes the tuner's rebuilt loader creates its iterator apart from the global state where the user's
     loader would reset its own (``_lightning.create_iterators_apart``); otherwise as PyTorch does, drawing a seed."""
-    from lightning_dltune import _lightning
+    from lightning_dltune.switching import _lightning
 
     apart = [True]
     loader = DataLoader(SyntheticDataset(8), batch_size=4, num_workers=1)
@@ -616,7 +616,7 @@ def test_loaders_lightning_reloads_never_get_persistent_workers_with_pinned_memo
 
 def test_a_state_whose_loader_lightning_reloads_builds_pinned_memory_without_persistent_workers():
     from lightning_dltune.settings import LoaderSettings
-    from lightning_dltune.state import TuningState
+    from lightning_dltune.tuning.state import TuningState
 
     pinned = LoaderSettings.normalized(8, pin_memory=True)
     state = TuningState()
@@ -632,7 +632,7 @@ def test_a_state_whose_loader_lightning_reloads_builds_pinned_memory_without_per
 def test_each_loader_of_a_namedtuple_of_loaders_is_rebuilt_into_the_same_namedtuple():
     from collections import namedtuple
 
-    from lightning_dltune.evaluation import dataloaders_in, with_each_dataloader
+    from lightning_dltune.switching.evaluation import dataloaders_in, with_each_dataloader
 
     Pair = namedtuple("Pair", "clean noisy")
     pair = Pair(DataLoader(range(4)), DataLoader(range(8)))

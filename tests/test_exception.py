@@ -5,8 +5,8 @@ import threading
 import pytest
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.nvml import NvmlSampler
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.measurement.nvml import NvmlSampler
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import make_trainer
 from test_nvml import FakeNvml

@@ -13,9 +13,10 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_dltune import DataLoaderTuner, DLTuneWarning, _lightning
-from lightning_dltune.switch import ShardCheck
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune.switching import _lightning
+from lightning_dltune.switching.switch import ShardCheck
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import Indices, live_children, make_trainer
 

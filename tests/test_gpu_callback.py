@@ -11,10 +11,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_dltune import DataLoaderTuner, gpu
-from lightning_dltune.report import summary_table
+from lightning_dltune import DataLoaderTuner
+from lightning_dltune.measurement import gpu
+from lightning_dltune.output.report import summary_table
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.synthetic import SyntheticDataset, in_memory_dataset
+from lightning_dltune.tools.synthetic import SyntheticDataset, in_memory_dataset
 
 from helpers import make_trainer, scalars
 from sim_gpu import SimStream

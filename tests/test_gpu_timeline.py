@@ -5,10 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_dltune.decide import Budget, Policy, Trial, decide, diagnose, estimate
-from lightning_dltune.gpu import GpuStats, GpuTimeline
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.gpu import GpuStats, GpuTimeline
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.diagnose import diagnose
+from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate
+from lightning_dltune.tuning.rules import decide
 
 from sim_gpu import SimStream
 

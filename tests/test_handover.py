@@ -12,10 +12,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_in_epoch import EpochIndices, PlainModel, WorkersPerBatch, observed, run
 from torch.utils.data import DataLoader, Dataset, RandomSampler, get_worker_info
 
-from lightning_dltune import DataLoaderTuner, _lightning
+from lightning_dltune import DataLoaderTuner
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.switching import _lightning
+from lightning_dltune.switching.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import live_children, make_trainer
 

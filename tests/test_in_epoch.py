@@ -11,9 +11,9 @@ from lightning.fabric.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
-from lightning_dltune._lightning import recording
-from lightning_dltune.switch import ResumableBatchSampler, is_worker_death
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.switching._lightning import recording
+from lightning_dltune.switching.switch import ResumableBatchSampler, is_worker_death
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import live_children, make_trainer
 

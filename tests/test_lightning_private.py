@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities import data as fabric_data
 from torch.utils.data import DataLoader, RandomSampler
 
-from lightning_dltune import _lightning
+from lightning_dltune.switching import _lightning
 
 
 @pytest.mark.parametrize(("path", "attr"), _lightning.PRIVATE_ATTRIBUTES)
@@ -20,7 +20,7 @@ def test_private_attribute_exists(path, attr):
     trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     owner = reduce(getattr, path.split("."), trainer)
     assert hasattr(owner, attr), (
-        f"lightning {pl.__version__} has no `{path}.{attr}`: update lightning_dltune/_lightning.py "
+        f"lightning {pl.__version__} has no `{path}.{attr}`: update lightning_dltune/switching/_lightning.py "
         "(see ../shared/LIGHTNING_NOTES.md) and the tested range in pyproject.toml"
     )
 
@@ -30,7 +30,7 @@ def test_the_evaluation_loop_sets_its_samplers_epoch_as_reset_ahead_does(tmp_pat
     to ``_lightning.validation_epoch``, read in the training steps before the pass."""
     from torch.utils.data import SequentialSampler
 
-    from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+    from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
 
     epochs, read = [], []
 
@@ -166,7 +166,7 @@ def test_a_loader_lightning_rebuilds_for_its_distributed_sampler_keeps_none_of_t
     from lightning.fabric.utilities.data import _replace_dunder_methods, _update_dataloader
     from torch.utils.data import BatchSampler, DistributedSampler
 
-    from lightning_dltune.switch import ResumableBatchSampler
+    from lightning_dltune.switching.switch import ResumableBatchSampler
 
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
         batches = ResumableBatchSampler(RandomSampler(range(8)), batch_size=2, drop_last=False)
@@ -191,7 +191,9 @@ def test_torch_dataloader_internals_used_for_switching_exist():
     try:
         for owner, name in _lightning.TORCH_PRIVATE:
             assert owner in owners, f"torch renamed `{owner}`: update _lightning.TORCH_PRIVATE"
-            assert hasattr(owners[owner], name), f"torch moved `{owner}.{name}`: update lightning_dltune/_lightning.py"
+            assert hasattr(owners[owner], name), (
+                f"torch moved `{owner}.{name}`: update lightning_dltune/switching/_lightning.py"
+            )
         assert dl._iterator is it
         assert _lightning.worker_died(it, wait_s=0) is False
         _lightning.detach_from_sigchld(it)
@@ -452,7 +454,9 @@ def test_the_train_combined_loaders_iterator_is_where_the_switcher_reaches_it():
     owners = {cls.__name__: obj for obj in (combined, combined._iterator) for cls in type(obj).__mro__}
     for owner, name in _lightning.COMBINED_LOADER_PRIVATE:
         assert owner in owners, f"lightning renamed `{owner}`: update _lightning.COMBINED_LOADER_PRIVATE"
-        assert hasattr(owners[owner], name), f"lightning moved `{owner}.{name}`: update lightning_dltune/_lightning.py"
+        assert hasattr(owners[owner], name), (
+            f"lightning moved `{owner}.{name}`: update lightning_dltune/switching/_lightning.py"
+        )
     mode_iter = combined._iterator
     assert mode_iter.iterables == [dl] and len(mode_iter.iterators) == 1
 
@@ -502,13 +506,13 @@ def test_only_the_loader_switchers_use_the_private_module():
     import ast
     from pathlib import Path
 
-    package = Path(_lightning.__file__).parent
+    package = Path(_lightning.__file__).parents[1]
     users = []
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (
-                node.module == "lightning_dltune._lightning"
-                or (node.module == "lightning_dltune" and any(a.name == "_lightning" for a in node.names))
+                node.module == "lightning_dltune.switching._lightning"
+                or (node.module == "lightning_dltune.switching" and any(a.name == "_lightning" for a in node.names))
             ):
                 users.append(path.name)
     assert sorted(set(users)) == ["evaluation.py", "loader.py"], users
@@ -517,7 +521,7 @@ def test_only_the_loader_switchers_use_the_private_module():
 def test_a_new_persistent_iterator_asked_again_before_it_yielded_begins_one_epoch_not_two():
     # Lightning calls iter(loader) twice in an epoch that reloads its loader; for a persistent loader the second
     # call resets the iterator just created, whose workers were already handed the epoch's first batches
-    from lightning_dltune.switch import ResumableBatchSampler
+    from lightning_dltune.switching.switch import ResumableBatchSampler
 
     sampler = ResumableBatchSampler(range(64), 4, False)
     loader = DataLoader(list(range(64)), batch_sampler=sampler, num_workers=2, persistent_workers=True)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from lightning_dltune._stats import few
-from lightning_dltune.decide import Trial, pick_best
-from lightning_dltune.measure import (
+from lightning_dltune.measurement.measure import (
     StepTimer,
     WindowStats,
     _stat_cpu_seconds,
@@ -17,8 +16,10 @@ from lightning_dltune.measure import (
     process_cpu_seconds,
     quantile,
 )
-from lightning_dltune.probe import batch_size
+from lightning_dltune.measurement.probe import batch_size
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.compare import pick_best
+from lightning_dltune.tuning.model import Trial
 
 
 class FakeClock:
@@ -133,7 +134,7 @@ def test_the_least_wait_wall_and_busy_time_of_the_steady_steps_are_kept(timer_an
     s = timer.take_window()
     assert s.steps == 3 and s.wait_min_s == pytest.approx(0.04) and s.sample_wall_min_s == pytest.approx(0.052 / 8)
     assert s.busy_min_s == pytest.approx(0.011)  # the step and the host's other work: 10 + 4, 12, 11 ms
-    # the start-up step's own wait and busy time are kept apart (`decide.stalled_from_the_start`)
+    # the start-up step's own wait and busy time are kept apart (`windows.stalled_from_the_start`)
     assert s.startup_wait_s == pytest.approx(0.001) and s.startup_busy_s == pytest.approx(0.005)
     # per sample, each step over its own batch: a short last batch is slower per sample, not faster
     run_steps(timer, clock, [(0.04, 0.0, 0.01, 0.0)] * 2, samples=16)

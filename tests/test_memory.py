@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from lightning_dltune.decide import Budget, Policy, decide, diagnose, estimate
-from lightning_dltune.memory import (
+from lightning_dltune.measurement.probe import MemoryWatch
+from lightning_dltune.tuning.diagnose import diagnose
+from lightning_dltune.tuning.memory import (
     MemorySample,
     MiB,
     WorkerMemory,
@@ -17,8 +18,9 @@ from lightning_dltune.memory import (
     total_bytes,
     worker_bytes,
 )
-from lightning_dltune.probe import MemoryWatch
-from lightning_dltune.state import TuningState
+from lightning_dltune.tuning.model import Budget, Policy, estimate
+from lightning_dltune.tuning.rules import decide
+from lightning_dltune.tuning.state import TuningState
 
 from test_decide import cfg, trial, with_mem
 
@@ -267,7 +269,7 @@ def test_a_few_workers_read_stand_for_all_and_a_window_closing_without_a_reading
 
 
 def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_batch_taken():
-    from lightning_dltune.probe import Probe
+    from lightning_dltune.measurement.probe import Probe
 
     pids, sizes = [11, 12], {11: 10 * MiB, 12: 10 * MiB}
     probe = Probe(worker_pids=lambda: pids, memory_of=lambda ps: [sizes[p] for p in ps], footprint=lambda: 40 * MiB)
@@ -359,7 +361,7 @@ def test_a_new_loaders_workers_are_counted_from_nothing_growing_as_the_ones_befo
 
 
 def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_near_it():
-    from lightning_dltune.probe import CPU_SHARE_FAR, CPU_SHARE_NEAR, MemoryWatch
+    from lightning_dltune.measurement.probe import CPU_SHARE_FAR, CPU_SHARE_NEAR, MemoryWatch
 
     sizes, t = [100 * MiB], [0.0]
     watch = MemoryWatch(lambda: [11], read=lambda ps: list(sizes), clock=lambda: t[0], interval_s=0.25)
@@ -398,6 +400,6 @@ def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_
     ],
 )
 def test_a_background_start_must_fit_beside_the_running_workers(running, workers, budget, fits):
-    from lightning_dltune.memory import WorkerMemory, fits_beside
+    from lightning_dltune.tuning.memory import WorkerMemory, fits_beside
 
     assert fits_beside(running, WorkerMemory(base_bytes=50, growth_bytes=5), workers, 10, budget) is fits

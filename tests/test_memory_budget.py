@@ -10,14 +10,14 @@ import pytest
 from test_in_epoch import EpochIndices, WorkersPerBatch
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.memory import MiB
-from lightning_dltune.synthetic import (
+from lightning_dltune.tools.synthetic import (
     PythonObjectsDataset,
     SimulatedModel,
     SyntheticDataModule,
     SyntheticDataset,
     WorkerMemoryWatch,
 )
+from lightning_dltune.tuning.memory import MiB
 
 from helpers import make_trainer
 

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_dltune.nvml import NvmlSampler, NvmlUnavailableError, nvml_device_id, open_sampler
+from lightning_dltune.measurement.nvml import NvmlSampler, NvmlUnavailableError, nvml_device_id, open_sampler
 
 
 class FakeNvml:
@@ -95,8 +95,8 @@ def test_log_gpu_false_leaves_nvml_alone(monkeypatch, log_gpu):
     does. NVML and the CUDA device are stand-ins: this machine has neither."""
     from types import SimpleNamespace
 
-    from lightning_dltune import gpu, nvml
-    from lightning_dltune.probe import Probe
+    from lightning_dltune.measurement import gpu, nvml
+    from lightning_dltune.measurement.probe import Probe
 
     opened = []
     sampler = SimpleNamespace(error=None, stop=lambda: None)

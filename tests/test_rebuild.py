@@ -2,7 +2,7 @@ import torch
 from lightning.fabric.utilities.data import _replace_dunder_methods
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from lightning_dltune._lightning import rebuild_dataloader
+from lightning_dltune.switching._lightning import rebuild_dataloader
 
 DATA = list(range(32))
 TUNED = {"num_workers": 2, "prefetch_factor": 3, "pin_memory": False, "persistent_workers": True}

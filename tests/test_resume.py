@@ -5,7 +5,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import make_trainer
 

@@ -1,4 +1,4 @@
-"""One case per named rule of the decision (``decide.RULES``, ``decide.SETTLE_OVERRIDES`` and the rules outside
+"""One case per named rule of the decision (``rules.RULES``, ``rules.SETTLE_OVERRIDES`` and the rules outside
 ``decide``): the rule decides, and the decision records its name. A rule added without a case here fails
 ``test_every_rule_has_a_case``."""
 
@@ -6,21 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_dltune.decide import (
-    FINAL,
-    RULES,
-    SETTLE_OVERRIDES,
-    Budget,
-    Policy,
-    Trial,
-    decide,
-    enforce_memory,
-    verify_cached,
-)
-from lightning_dltune.gpu import GpuStats
-from lightning_dltune.measure import WindowStats
-from lightning_dltune.report import summary_table, trial_from_dict, trial_to_dict
-from lightning_dltune.state import TuningState
+from lightning_dltune.measurement.gpu import GpuStats
+from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.output.report import summary_table, trial_from_dict, trial_to_dict
+from lightning_dltune.tuning.model import Budget, Policy, Trial
+from lightning_dltune.tuning.rules import FINAL, RULES, SETTLE_OVERRIDES, decide, enforce_memory, verify_cached
+from lightning_dltune.tuning.state import TuningState
 
 from test_decide import BUDGET, cfg, trial, with_mem
 
@@ -38,7 +29,6 @@ def copies(t, copy_ms, step_ms):
 # rule: (trials, budget, keyword arguments of decide, action, settings)
 CASES = {
     "too_few_steps": ([trial(0, 160, 10, steps=1)], BUDGET, {}, "measure", cfg(0)),
-    "nothing_measured": ([trial(4, 0, 0, steps=0, failed="workers failed to start")], BUDGET, {}, "settle", cfg(4)),
     "config_failed": (
         [trial(0, 160, 10, fetch_cpu_ms=1), trial(16, 0, 0, steps=0, failed="worker killed")],
         BUDGET,
@@ -90,13 +80,6 @@ CASES = {
         {},
         "settle",
         cfg(16),
-    ),
-    "already_measured": (
-        [trial(0, 160, 10, fetch_cpu_ms=1), trial(12, 30, 10), trial(8, 20, 10)],
-        Budget(cpus=2.0, max_workers=12),
-        {},
-        "settle",
-        cfg(8),
     ),
     "jump_to_the_model": ([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, {}, "try", cfg(16)),
     # the overrides of a settle
@@ -185,3 +168,69 @@ def test_pinned_memory_is_tried_once_where_lightning_reloads_and_its_workers_wer
     pinned = Trial(replace(cfg(4), pin_memory=True, persistent_workers=False), pinned.stats)
     decision = decide([start, pinned], BUDGET)
     assert decision.action == "settle" and decision.rule != "pinned_memory_first", decision
+
+
+# window rule: (trials, budget) where it is the first of its table that holds
+WINDOW_CASES = {
+    "plain_stall": ([trial(0, 160, 10, steps=2, fetch_cpu_ms=1)], None),
+    # one steady step at 0 workers, with its start-up step: the model asks for max_workers already
+    "stalled_from_the_start": (
+        [trial(0, 160, 10, steps=1, fetch_cpu_ms=1, start_wait_ms=160, start_busy_ms=10)],
+        BUDGET,
+    ),
+    "sized_on_a_longer_step": (
+        [trial(0, 60, 12.5), trial(16, 3.0, 8.0, steps=4, wait_sem_ms=0.5, busy_sem_ms=0.2)],
+        None,
+    ),
+    # a third of the time waiting with workers, after min_steps: beyond the threshold, short of a plain stall
+    "stalls_with_workers": ([trial(0, 160, 10, fetch_cpu_ms=1), trial(4, 5, 10, steps=8)], None),
+    "still_open": (
+        [
+            trial(0, 40, 8, fetch_cpu_ms=1),
+            trial(6, 4.0, 10, steps=35, sem_ms=0.5, wait_sem_ms=0.5),
+            trial(11, 7.0, 10, steps=12, sem_ms=4.0, wait_sem_ms=4.0),
+        ],
+        None,
+    ),
+    "win_not_yet_shown": (
+        [
+            trial(0, 16.5, 6.9, steps=3, fetch_cpu_ms=16.0, sem_ms=0.3, wait_sem_ms=0.3, min_wall_ms=23.0),
+            trial(2, 10.0, 7.0, steps=8, sem_ms=5.0, wait_sem_ms=5.0),
+        ],
+        BUDGET,
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", list(WINDOW_CASES))
+def test_the_window_rule_holds_first_in_its_table(rule):
+    from lightning_dltune.tuning.windows import JUDGED_EARLY, RUNS_ON
+
+    trials, budget = WINDOW_CASES[rule]
+    table = JUDGED_EARLY if rule in {r.__name__ for r in JUDGED_EARLY} else RUNS_ON
+    first = next((r.__name__ for r in table if r(trials, Policy(), budget)), None)
+    assert first == rule
+    if table is JUDGED_EARLY:
+        from lightning_dltune.tuning.windows import judged_early
+
+        assert judged_early(trials, Policy(), budget) == rule
+
+
+def test_every_window_rule_has_a_case():
+    from lightning_dltune.tuning.windows import JUDGED_EARLY, RUNS_ON
+
+    assert {r.__name__ for r in (*JUDGED_EARLY, *RUNS_ON)} == set(WINDOW_CASES)
+
+
+def test_config_failed_before_anything_was_measured_keeps_the_starting_config():
+    decision = decide([trial(4, 0, 0, steps=0, failed="workers failed to start")], BUDGET)
+    assert (decision.rule, decision.action, decision.settings) == ("config_failed", "settle", cfg(4))
+    assert "no config could be measured" in decision.reason
+
+
+def test_no_more_workers_where_the_model_s_count_was_measured_already():
+    # 12 workers were measured, then 8: the model asks for 12 again
+    trials = [trial(0, 160, 10, fetch_cpu_ms=1), trial(12, 30, 10), trial(8, 20, 10)]
+    decision = decide(trials, Budget(cpus=2.0, max_workers=12))
+    assert (decision.rule, decision.action, decision.settings) == ("no_more_workers", "settle", cfg(8))
+    assert "was already measured" in decision.reason

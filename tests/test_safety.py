@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, get_worker_info
 
-from lightning_dltune import DataLoaderTuner, DLTuneWarning, _lightning
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune.switching import _lightning
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import Indices, make_trainer
 

@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.cache import FINGERPRINT_SAMPLES
-from lightning_dltune.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.output.cache import FINGERPRINT_SAMPLES
+from lightning_dltune.switching.switch import GuardedIterator, GuardHooks, ResumableBatchSampler
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
 
 from helpers import make_trainer
 
@@ -338,7 +338,7 @@ class CallsModel(HookModel):
 
 
 def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it_was(tmp_path, monkeypatch):
-    from lightning_dltune import _lightning
+    from lightning_dltune.switching import _lightning
 
     asked = []  # the epochs the tuner reloads at (it asks at the end of the one before)
     request = _lightning.request_train_reload

@@ -11,7 +11,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.synthetic import ResNetClassifier, image_folder, write_jpeg_folder
+from lightning_dltune.tools.synthetic import ResNetClassifier, image_folder, write_jpeg_folder
 
 from helpers import make_trainer
 

@@ -11,9 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_dltune import DataLoaderTuner, _imports
-from lightning_dltune.cli import main
-from lightning_dltune.plot import config_changes
-from lightning_dltune.report import (
+from lightning_dltune.output.plot import config_changes
+from lightning_dltune.output.report import (
     NUM_WORKERS,
     PREFETCH_FACTOR,
     REPORT_VERSION,
@@ -24,8 +23,9 @@ from lightning_dltune.report import (
     build_report,
     read_report,
 )
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
-from lightning_dltune.view import DASHBOARD_CHARTS, SUMMARY_TAG
+from lightning_dltune.output.view import DASHBOARD_CHARTS, SUMMARY_TAG
+from lightning_dltune.tools.cli import main
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset, in_memory_dataset
 
 from helpers import make_trainer
 
@@ -235,8 +235,8 @@ def test_the_gpu_stall_is_kept_only_where_it_was_measured():
 
 
 def test_pinned_memory_is_logged_kept_in_the_series_and_marked_as_a_config_change():
-    from lightning_dltune.measure import WindowStats
-    from lightning_dltune.report import PIN_MEMORY, WindowSeries, window_metrics
+    from lightning_dltune.measurement.measure import WindowStats
+    from lightning_dltune.output.report import PIN_MEMORY, WindowSeries, window_metrics
     from lightning_dltune.settings import LoaderSettings
 
     series = WindowSeries()

@@ -32,14 +32,14 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dltune.budget import cpu_budget, default_max_workers, shm_free_bytes
-from lightning_dltune.decide import Policy
-from lightning_dltune.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
-from lightning_dltune.measure import process_cpu_seconds
-from lightning_dltune.probe import batch_size as batch_size_of
-from lightning_dltune.probe import tensor_bytes, worker_uss
-from lightning_dltune.report import write_json_atomic
+from lightning_dltune.measurement.budget import cpu_budget, default_max_workers, shm_free_bytes
+from lightning_dltune.measurement.measure import process_cpu_seconds
+from lightning_dltune.measurement.probe import batch_size as batch_size_of
+from lightning_dltune.measurement.probe import tensor_bytes, worker_uss
+from lightning_dltune.output.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.switching.loader import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune.tuning.model import Policy
 
 WINDOW_PER_FLIGHT = 4  # the steady window holds at least this many times the batches in flight
 LIMIT_TOLERANCE = 0.20  # a rate this far above the physical limit is flagged (the 1-worker rate is noisy too)

@@ -1,10 +1,11 @@
 """The probe: everything the tuner measures, and the only part that reads a clock, psutil or CUDA events.
 
-:class:`Probe` owns the host :class:`~lightning_dltune.measure.StepTimer`, the CUDA
-:class:`~lightning_dltune.gpu.GpuTimeline` and the NVML sampler (on CUDA devices), the CPU-time snapshot of the
+:class:`Probe` owns the host :class:`~lightning_dltune.measurement.measure.StepTimer`, the CUDA
+:class:`~lightning_dltune.measurement.gpu.GpuTimeline` and the NVML sampler (on CUDA devices), the CPU-time snapshot of
+the
 window, the batch size in bytes, and the :class:`MemoryWatch` that reads the workers' memory in the background
 (every 0.25 s, so growth inside an epoch is seen and the budget can be held at the next step).
-:meth:`Probe.close` returns the window's :class:`~lightning_dltune.measure.WindowStats`.
+:meth:`Probe.close` returns the window's :class:`~lightning_dltune.measurement.measure.WindowStats`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any
 
 import torch
 
-from lightning_dltune import gpu
 from lightning_dltune._warn import warn_once
-from lightning_dltune.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set, slope
+from lightning_dltune.measurement import gpu
+from lightning_dltune.measurement.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
+from lightning_dltune.tuning.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set, slope
 
 
 def worker_uss(pids: list[int]) -> list[float]:
@@ -47,10 +48,10 @@ def own_footprint() -> float:
     return float(max(0, info.rss - getattr(info, "shared", 0)))
 
 
-# Reading a torch worker's USS walks its page tables: 7-12 ms of CPU on the 2-CPU machine of BENCHMARKS.md, and the
-# worker's page faults wait meanwhile; reading all of 16 slowed a bursty loader's first epoch by 0.3 s. The workers of
-# one loader are dealt batches in turn and load alike, so a few stand for all (a different few each reading): the
-# thread reads THREAD_READ_WORKERS, a window that closes without a reading from it SYNC_READ_WORKERS, in the open.
+# Reading a worker's USS walks its page tables while its page faults wait (docs/how-it-decides.md, "Reading the
+# workers' memory"). The workers of one loader are dealt batches in turn and load alike, so a few stand for all (a
+# different few each reading): the thread reads THREAD_READ_WORKERS, a window that closes without a reading from it
+# SYNC_READ_WORKERS, in the open.
 THREAD_READ_WORKERS = 4
 SYNC_READ_WORKERS = 2
 CPU_SHARE_FAR = 0.02  # of one CPU the memory readings may take while the workers are far from the budget
@@ -65,7 +66,7 @@ class MemoryWatch:
 
     The training loop counts the batches it took (:meth:`batch_taken`); a sample records, for the worker set it
     read (the same PIDs), the batches taken since that set started. :meth:`take` fits the window's samples
-    (:func:`lightning_dltune.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of the
+    (:func:`lightning_dltune.tuning.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of the
     current window, and :meth:`held` what the workers hold now for the budget check at each step: their newest
     reading (of any window, since the loader was built) plus the growth measured per batch (copy-on-read) times
     the batches taken since, up to the training process's own size per worker. Readings come every ``interval_s`` at
@@ -274,7 +275,7 @@ class Probe:
 
     Args:
         worker_pids: the PIDs of the running train loader's workers (asked by the memory readings).
-        clock, cpu_clock: as for :class:`~lightning_dltune.measure.StepTimer`.
+        clock, cpu_clock: as for :class:`~lightning_dltune.measurement.measure.StepTimer`.
         cpu_seconds: ``() -> (this process, its children)`` CPU seconds.
         memory_of: ``(pids) -> [bytes]``, each worker's unique memory.
         footprint: ``() -> bytes`` this process holds (what a forked worker can come to hold).
@@ -314,7 +315,7 @@ class Probe:
         self._cpu0 = self._batch_bytes = None
         self.memory.start()
         if log_gpu and getattr(device, "type", None) == "cuda":
-            from lightning_dltune.nvml import open_sampler
+            from lightning_dltune.measurement.nvml import open_sampler
 
             self.nvml, why = open_sampler(device.index or 0)
             if self.nvml is None:

@@ -14,7 +14,7 @@ whatever ``on_before_batch_transfer`` queued, ``other`` host work between steps 
 and ``step`` the step as the GPU ran it.
 
 Steps the host timer charges to start-up (the first after a loader is built) and steps whose gap held validation
-are left out, as in :class:`~lightning_dltune.measure.StepTimer`.
+are left out, as in :class:`~lightning_dltune.measurement.measure.StepTimer`.
 """
 
 from __future__ import annotations

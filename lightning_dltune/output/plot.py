@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dltune import _imports
-from lightning_dltune.report import GPU_SERIES_KEY, PIN_SERIES_KEY, SERIES_KEYS
+from lightning_dltune.output.report import GPU_SERIES_KEY, PIN_SERIES_KEY, SERIES_KEYS
 from lightning_dltune.settings import LoaderSettings
 
 _CAPTION_WIDTH = 115
@@ -63,7 +63,7 @@ def _title(report: Mapping[str, Any]) -> str:
 
 
 def draw_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Draw the run of ``report`` (a dict from the tuner or :func:`~lightning_dltune.report.read_report`) as a
+    """Draw the run of ``report`` (a dict from the tuner or :func:`~lightning_dltune.output.report.read_report`) as a
     PNG at ``path``: stall fraction, samples/s and ``num_workers``/``prefetch_factor`` over steps, in three
     panels sharing the step axis, dashed lines where the config changed, the diagnosis below.
 

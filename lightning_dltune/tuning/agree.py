@@ -15,15 +15,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_dltune.decide import Budget
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.model import Budget
 
 T = TypeVar("T")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
 _INT_FIELDS = ("steps", "samples", "gpu_steps", "startup_behind", "startup_samples", "startup_step_samples")
 # memory is held per node: the rank whose workers hold the most decides (not the slowest rank's)
-_MAX_FIELDS = tuple(f for f in _STATS_FIELDS if "mem" in f or f == "batch_bytes")
+_MAX_FIELDS = (
+    "worker_mem_bytes",
+    "worker_mem_total_bytes",
+    "worker_mem_base_bytes",
+    "worker_mem_growth_bytes",
+    "worker_mem_jump_bytes",
+    "worker_mem_saturation",
+    "main_mem_bytes",
+    "batch_bytes",
+)
 
 
 class Agreement:

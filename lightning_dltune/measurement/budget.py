@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_dltune._warn import warn_once
-from lightning_dltune.decide import Budget
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.model import Budget
 
 
 @dataclass(frozen=True)

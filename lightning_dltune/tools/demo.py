@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_dltune import _imports
 from lightning_dltune.callback import DataLoaderTuner
-from lightning_dltune.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 
 class DemoModel(SimulatedModel):

@@ -1,5 +1,5 @@
 """The summary table people read at the end of tuning, the JSON report they can reuse, and the per-window series
-the report keeps for the picture of the run (:mod:`lightning_dltune.plot`)."""
+the report keeps for the picture of the run (:mod:`lightning_dltune.output.plot`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_dltune.decide import Budget, Trial
-from lightning_dltune.gpu import GpuStats
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.gpu import GpuStats
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.model import Budget, Trial
 
 REPORT_NAME = "dltune_report.json"
 REPORT_VERSION = 3  # 2: "series" (one point per logging window) and "stall_threshold"; 3: each trial's "rule"
@@ -74,7 +74,7 @@ class WindowSeries:
     """The run's curves, one point per logging window: the step, the stall, the throughput and the loader's config.
 
     Fed with each window's :func:`window_metrics` (whether or not the run has a logger), kept in the report as
-    ``"series"`` and drawn by :func:`lightning_dltune.plot.draw_report`. At most ``max_points`` points: beyond
+    ``"series"`` and drawn by :func:`lightning_dltune.output.plot.draw_report`. At most ``max_points`` points: beyond
     that every other point is dropped and windows are taken half as often, so a long run's report stays small.
     """
 
@@ -169,7 +169,7 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
 
 
 def trial_from_dict(data: dict[str, Any]) -> Trial:
-    from lightning_dltune.measure import WindowStats
+    from lightning_dltune.measurement.measure import WindowStats
 
     return Trial(
         settings=LoaderSettings.from_dict(data.get("settings", {})),
@@ -195,6 +195,7 @@ def build_report(
     phase: str,
     diagnosis: str,
     budget: Budget | None,
+    diagnosed_by: str = "",
     series: WindowSeries | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -204,6 +205,7 @@ def build_report(
         "start_settings": start.to_loader_kwargs() if start else None,
         "settled_settings": settled.to_loader_kwargs() if settled else None,
         "diagnosis": diagnosis,
+        "diagnosed_by": diagnosed_by,  # the diagnosis's name (`diagnose.DIAGNOSES`)
         "budget": None
         if budget is None
         else {

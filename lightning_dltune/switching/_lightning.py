@@ -20,7 +20,7 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import _worker_loop
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
-from lightning_dltune.switch import apart_from_global
+from lightning_dltune.switching.switch import apart_from_global
 
 # (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
 PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -557,7 +557,7 @@ def _even_if_one_dies(shutdown: Callable[[], None]) -> None:
     """Run ``shutdown``, letting a worker die while it stops: PyTorch's SIGCHLD handler raises that death into
     the join (seen: a spawned worker aborting at exit, "terminate called without an active exception"), and its
     own clean-up has already terminated the rest. Nothing such a worker held is used any more."""
-    from lightning_dltune.switch import is_worker_death
+    from lightning_dltune.switching.switch import is_worker_death
 
     try:
         shutdown()
@@ -609,7 +609,7 @@ def serve_carried_iterator(
 
 def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None:
     """Make a new iterator of ``loader`` draw its workers' base seed from a copy of the global random state
-    (:func:`~lightning_dltune.switch.apart_from_global`) whenever ``when()`` says so; a later call replaces
+    (:func:`~lightning_dltune.switching.switch.apart_from_global`) whenever ``when()`` says so; a later call replaces
     ``when``. The patch holds the loader weakly (a reference cycle would keep its persistent workers alive until a
     garbage collection). A loader whose iterators another patch creates (the train loader's, for seamless epochs)
     is left as it is."""

@@ -13,7 +13,8 @@ The first step after a loader is (re)built is charged, with the build itself, to
 of the steady-state statistics: it pays for worker start-up and for filling the pipeline.
 
 On CUDA the same steps are also measured as the GPU saw them (``gpu_*`` fields, from
-:class:`~lightning_dltune.gpu.GpuTimeline`); decisions then use the GPU's idle gap (``effective_stall_frac``).
+:class:`~lightning_dltune.measurement.gpu.GpuTimeline`); decisions then use the GPU's idle gap
+(``effective_stall_frac``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from lightning_dltune._stats import block_means, few, sem, trimmed_mean_sem
-from lightning_dltune.gpu import GpuStats
-from lightning_dltune.memory import WorkerMemory
+from lightning_dltune.measurement.gpu import GpuStats
+from lightning_dltune.tuning.memory import WorkerMemory
 
 Clock = Callable[[], float]
 
@@ -60,7 +61,7 @@ class WindowStats:
     busy_p50_s: float = 0.0  # the median busy time per step (0.0: not measured, e.g. a window from an older cache)
     busy_min_s: float = 0.0  # the least busy time of the steps with the window's largest batch (0.0: not measured)
     # the least wait of any step of the window, and the least wall per sample (0.0: not measured): every step took
-    # at least this (a sign test: `decide.every_step_slower`)
+    # at least this (a sign test: `compare.every_step_slower`)
     wait_min_s: float = 0.0
     sample_wall_min_s: float = 0.0
     fetch_cpu_s: float = 0.0
@@ -70,21 +71,21 @@ class WindowStats:
     build_s: float = 0.0  # of startup_s, building the loader and starting its workers (in the training process)
     startup_behind: int = 0  # 1: started in the background; startup_s is what its overlap cost beyond the old pace
     # the first step after the build (start-up, not one of the steady steps): its wait and its busy time (0.0: none
-    # in this window). At 0 workers it loads its batch as every later step does (`decide.stalled_from_the_start`)
+    # in this window). At 0 workers it loads its batch as every later step does (`windows.stalled_from_the_start`)
     startup_wait_s: float = 0.0
     startup_busy_s: float = 0.0
     startup_fetch_cpu_s: float = 0.0  # the start-up step's fetch, on the training process's CPU
     startup_step_samples: int = 0  # the start-up step's batch size, as every step's is read
     # the start-up step's batch, loaded in the training process sample by sample (`_lightning.time_samples`; 0: not
     # timed): how many samples, the first one's time, and the others' mean time and its standard error. A first
-    # sample that opened a file lazily shows apart from the rest (`decide.steady_from_the_start`)
+    # sample that opened a file lazily shows apart from the rest (`windows.steady_from_the_start`)
     startup_samples: int = 0
     startup_first_sample_s: float = 0.0
     startup_sample_mean_s: float = 0.0
     startup_sample_sem_s: float = 0.0
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
-    worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.memory)
+    worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.tuning.memory)
     worker_mem_growth_bytes: float = 0.0  # what a worker's USS grows per batch it loads (copy-on-read), fitted
     worker_mem_jump_bytes: float = 0.0  # what a fresh worker copies in its first batches, saturating, fitted
     worker_mem_saturation: float = 0.0  # the batches over which that jump saturates (0: no jump), fitted
@@ -106,7 +107,8 @@ class WindowStats:
 
     @property
     def gpu(self) -> GpuStats:
-        """The ``gpu_*`` fields as :class:`~lightning_dltune.gpu.GpuStats` (no steps without a GPU timeline)."""
+        """The ``gpu_*`` fields as :class:`~lightning_dltune.measurement.gpu.GpuStats` (no steps without a GPU
+        timeline)."""
         return GpuStats(
             self.gpu_steps,
             self.gpu_idle_s,
@@ -194,7 +196,7 @@ class WindowStats:
 
     @property
     def worker_memory(self) -> WorkerMemory:
-        """The window's fit of the workers' memory (:mod:`lightning_dltune.memory`)."""
+        """The window's fit of the workers' memory (:mod:`lightning_dltune.tuning.memory`)."""
         return WorkerMemory(
             self.worker_mem_base_bytes or self.worker_mem_bytes,
             self.worker_mem_growth_bytes,

@@ -1,5 +1,5 @@
 """The memory model: what a loader's workers come to hold, and how many of them fit the budget. Pure: no torch,
-no psutil, no clock (:class:`~lightning_dltune.probe.MemoryWatch` measures).
+no psutil, no clock (:class:`~lightning_dltune.measurement.probe.MemoryWatch` measures).
 
 A DataLoader worker starts as a copy of the training process (``fork``) that shares its pages. Reading a
 Python object writes its reference count, so every page of the dataset a worker reads becomes the worker's own

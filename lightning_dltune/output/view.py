@@ -2,10 +2,10 @@
 summary as text, and after ``fit`` a picture of the run next to the report.
 
 :class:`RunView` is the callback's only way to its loggers. It keeps the run's
-:class:`~lightning_dltune.report.WindowSeries` (every logging window, with or without a logger), writes the
+:class:`~lightning_dltune.output.report.WindowSeries` (every logging window, with or without a logger), writes the
 custom-scalars layout to each TensorBoard logger with the first window, the diagnosis and the summary table to
 TensorBoard's Text tab when tuning ends and when training ends, and draws the PNG with
-:func:`~lightning_dltune.plot.draw_report` (the function ``dltune plot`` uses). Writing happens on rank zero.
+:func:`~lightning_dltune.output.plot.draw_report` (the function ``dltune plot`` uses). Writing happens on rank zero.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from lightning_dltune import _imports
 from lightning_dltune._warn import info_once, warn_once
-from lightning_dltune.plot import PlotError, draw_report, plot_path
-from lightning_dltune.report import (
+from lightning_dltune.output.plot import PlotError, draw_report, plot_path
+from lightning_dltune.output.report import (
     DATA_WAIT_MS,
     GPU_IDLE_MS,
     GPU_MEM_PCT,
@@ -40,7 +40,7 @@ from lightning_dltune.report import (
     summary_table,
     write_json_atomic,
 )
-from lightning_dltune.state import TuningState
+from lightning_dltune.tuning.state import TuningState
 
 SUMMARY_TAG = "dltune/summary"
 DASHBOARD = "dltune"
@@ -80,7 +80,7 @@ class RunView:
         plot: draw the PNG after ``fit`` (when matplotlib is installed and a report is written).
 
     Attributes:
-        series: the :class:`~lightning_dltune.report.WindowSeries` of this ``fit``.
+        series: the :class:`~lightning_dltune.output.report.WindowSeries` of this ``fit``.
         plot_file: the PNG written after ``fit`` (``None`` before, or when none was drawn).
     """
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dltune._warn import warn_once
-from lightning_dltune.decide import Trial
-from lightning_dltune.report import write_json_atomic
+from lightning_dltune.output.report import write_json_atomic
 from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning.model import Trial
 
 CACHE_FORMAT = "lightning-dltune-cache"
 CACHE_VERSION = 1

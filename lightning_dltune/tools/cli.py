@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cache(action: str, path: Path | None) -> int:
-    from lightning_dltune.cache import TuningCache, default_cache_path
+    from lightning_dltune.output.cache import TuningCache, default_cache_path
 
     cache = TuningCache(path or default_cache_path())
     if action == "clear":
@@ -127,8 +127,8 @@ def _cache(action: str, path: Path | None) -> int:
 
 
 def _plot(report_file: Path, out: Path | None) -> int:
-    from lightning_dltune.plot import PlotError, draw_report, plot_path
-    from lightning_dltune.report import ReportError, read_report
+    from lightning_dltune.output.plot import PlotError, draw_report, plot_path
+    from lightning_dltune.output.report import ReportError, read_report
 
     out = out or plot_path(report_file)
     try:
@@ -147,7 +147,7 @@ def _plot(report_file: Path, out: Path | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from lightning_dltune.demo import run_demo
+        from lightning_dltune.tools.demo import run_demo
 
         run_demo(args.out, quick=args.quick, epochs=args.epochs)
         return 0
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cache(args.action, args.path)
     if args.command == "plot":
         return _plot(args.report, args.out)
-    from lightning_dltune.bench import BenchError, run_bench
+    from lightning_dltune.tools.bench import BenchError, run_bench
 
     try:
         run_bench(

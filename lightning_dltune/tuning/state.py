@@ -21,28 +21,21 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
-from lightning_dltune import memory
-from lightning_dltune.decide import (
-    Budget,
-    Decision,
-    Policy,
-    Trial,
-    decide,
-    diagnose,
-    enforce_memory,
-    handover_lead,
+from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.output.report import trial_from_dict, trial_to_dict
+from lightning_dltune.settings import LoaderSettings
+from lightning_dltune.tuning import memory
+from lightning_dltune.tuning.compare import pick_best
+from lightning_dltune.tuning.diagnose import diagnosis
+from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial, handover_lead, worker_memory
+from lightning_dltune.tuning.rules import decide, enforce_memory, verify_cached
+from lightning_dltune.tuning.windows import (
+    RUNS_ON,
     judged_early,
-    pick_best,
     plainly_input_bound,
     steady_from_the_start,
     still_open,
-    verify_cached,
-    win_not_yet_shown,
-    worker_memory,
 )
-from lightning_dltune.measure import WindowStats
-from lightning_dltune.report import trial_from_dict, trial_to_dict
-from lightning_dltune.settings import LoaderSettings
 
 STATE_VERSION = 2  # 2: each trial's "rule"
 MAX_RECOVERIES = 3
@@ -73,7 +66,7 @@ class TuningState:
 
     Attributes:
         phase: the :class:`Phase`.
-        trials: every measured window's :class:`~lightning_dltune.decide.Trial`, with the decision taken after it.
+        trials: every measured window's :class:`~lightning_dltune.tuning.model.Trial`, with the decision taken after it.
         start: the settings of the user's own loader; ``current``: of the running loader; ``target``: what the
             next loader is built with (``None``: as the user built it).
         held: the ``"hold"`` decision that stopped tuning for this fit (its ``settings`` are the plan for a
@@ -96,6 +89,7 @@ class TuningState:
         self.best_settings: dict[str, Any] | None = None
         self.settled_step: int | None = None
         self.diagnosis = ""
+        self.diagnosed_by = ""  # the diagnosis's name (see `diagnose.DIAGNOSES`)
         self.cache_hit = False
         self.recoveries = 0
         self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
@@ -166,26 +160,21 @@ class TuningState:
 
     # --- deciding -----------------------------------------------------------------------------------------------
     def judge_early(self, stats: WindowStats, budget: Budget | None = None, on_gpu: bool = False) -> bool:
-        """Whether the window so far (``stats``: the host's, on the current config) can be judged before it is
-        full: its stall is plainly the loader's beyond noise, the jump to it was sized on a longer step than it
-        has, or with workers it stalls beyond noise after ``min_steps`` (see
-        :func:`~lightning_dltune.decide.judged_early`).
-        ``on_gpu``: the GPU's idle gap is read only when the window closes, and a host waiting while the GPU's
-        queue fills is no stall: then only after ``min_steps``, and the decision is the GPU's. A window that is
-        there to read a smaller config's memory before a far jump is never judged early. ``budget``: the tuner's; a
-        window at 0 workers is judged after one steady step only where the model's count reaches its
-        ``max_workers``, lowered to the memory limit (:func:`~lightning_dltune.decide.stalled_from_the_start`;
-        ``None``: never after one step)."""
+        """Whether the window so far (``stats``: the host's, on the current config) can be judged before it is full:
+        a rule of :data:`~lightning_dltune.tuning.windows.JUDGED_EARLY` holds. ``on_gpu``: the GPU's idle gap is read
+        only when the window closes, so only a plain stall after ``min_steps``. Never for a window that reads a
+        smaller config's memory before a far jump. ``budget``: the tuner's, its worker cap lowered to the memory
+        limit (``None``: never after one step)."""
         if self.current is None or not self.tuning or self._probing_memory:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
         limited = None if budget is None else self._within_memory_limit(budget)
-        return judged_early([*self.trials, Trial(self.current, self.judged(stats))], self.policy, limited)
+        return judged_early([*self.trials, Trial(self.current, self.judged(stats))], self.policy, limited) is not None
 
     def judged(self, stats: WindowStats) -> WindowStats:
         """The window ``stats`` as it is judged and recorded: at 0 workers, a start-up step whose samples show it
-        steady counts as a steady one (:func:`~lightning_dltune.decide.steady_from_the_start`)."""
+        steady counts as a steady one (:func:`~lightning_dltune.tuning.windows.steady_from_the_start`)."""
         if self.current is None or self.current.num_workers != 0 or not self.tuning:
             return stats
         return steady_from_the_start(stats, self.policy)
@@ -197,18 +186,17 @@ class TuningState:
         return replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
 
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
-        """Whether the window so far (``stats``, on the current config) runs on though it has its steps: its
-        comparison with the fastest earlier config is within its noise (see
-        :func:`~lightning_dltune.decide.still_open`), or judged now it would settle back on a start at 0 workers
-        that it reads faster than, not yet beyond noise (:func:`~lightning_dltune.decide.win_not_yet_shown`). Only
-        while tuning, and on one process (``distributed``: every rank must close the window at the same step, and
-        this test is rank-local)."""
+        """Whether the window so far (``stats``, on the current config) runs on though it has its steps: a rule of
+        :data:`~lightning_dltune.tuning.windows.RUNS_ON` holds (``win_not_yet_shown`` only where judging it now would
+        settle back on the start). Only while tuning, and on one process (``distributed``: every rank closes the
+        window at the same step, and this test is rank-local)."""
         if distributed or self.current is None or not self.tuning or self._probing_memory:
             return False
         trials = [*self.trials, Trial(self.current, stats)]
-        if still_open(trials, self.policy):
-            return True
-        if self._budget is None or not win_not_yet_shown(trials, self.policy):
+        runs_on = next((rule for rule in RUNS_ON if rule(trials, self.policy, self._budget)), None)
+        if runs_on is None or runs_on.__name__ == still_open.__name__:
+            return runs_on is not None
+        if self._budget is None:
             return False
         back = self.decide(stats, self._budget, None)  # (the length left is not known here: holds are not foreseen)
         return back is not None and back.action == "settle" and back.settings == self.trials[0].settings
@@ -225,7 +213,8 @@ class TuningState:
         """What to do after a window on the current config (``None`` while observing or disabled, or once tuning
         ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
         settles on the same fallback. ``in_epoch``: a switch would happen inside the epoch on one process;
-        ``in_place``: a prefetch change is made on the running workers (see :func:`~lightning_dltune.decide.decide`).
+        ``in_place``: a prefetch change is made on the running workers (see
+        :func:`~lightning_dltune.tuning.rules.decide`).
         Pure."""
         if failed:
             never = set(failed) | self.failed_configs
@@ -254,7 +243,7 @@ class TuningState:
         )
 
     def handover_lead(self) -> int:
-        """Batches the running config serves while a new loader starts behind it (``decide.handover_lead``)."""
+        """Batches the running config serves while a new loader starts behind it (``model.handover_lead``)."""
         return handover_lead(self.trials)
 
     def starts_behind(
@@ -378,7 +367,7 @@ class TuningState:
         self.phase, self.held = phase, held
         self.settled_step = step
         self.best_settings = settings.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, settings, budget, self.policy, held=held)
+        self.diagnosed_by, self.diagnosis = diagnosis(self.trials, settings, budget, self.policy, held=held)
 
     @property
     def result(self) -> LoaderSettings | None:
@@ -423,7 +412,7 @@ class TuningState:
         assert best is not None
         if not self.tuning or self.best_settings is None:
             self.best_settings = best.to_loader_kwargs()
-        self.diagnosis = diagnose(self.trials, best, budget, self.policy, held=self.held)
+        self.diagnosed_by, self.diagnosis = diagnosis(self.trials, best, budget, self.policy, held=self.held)
         if self.tuning:
             self.diagnosis += " (tuning had not settled when training ended.)"
 
@@ -439,6 +428,7 @@ class TuningState:
             "target": None if target is None else target.to_loader_kwargs(),
             "settled_step": self.settled_step,
             "diagnosis": self.diagnosis,
+            "diagnosed_by": self.diagnosed_by,
             "memory_limit": self.memory_limit,
         }
 
@@ -448,6 +438,7 @@ class TuningState:
         self.best_settings = state.get("best_settings")
         self.settled_step = state.get("settled_step")
         self.diagnosis = state.get("diagnosis", "")
+        self.diagnosed_by = state.get("diagnosed_by", "")
         limit = state.get("memory_limit")
         self.memory_limit = limit if isinstance(limit, int) else None
         start, target = state.get("start"), state.get("target")
@@ -462,13 +453,14 @@ class TuningState:
             self.target = LoaderSettings.from_dict(target)
 
     def report_content(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`~lightning_dltune.report.build_report` this state provides."""
+        """The keyword arguments of :func:`~lightning_dltune.output.report.build_report` this state provides."""
         return {
             "trials": self.trials,
             "start": self.start,
             "settled": self.result,
             "phase": self.phase.value,
             "diagnosis": self.diagnosis,
+            "diagnosed_by": self.diagnosed_by,
         }
 
 

@@ -2,10 +2,11 @@
 
 :class:`EvalLoaders` holds one :class:`EvalTuner` per loop name (``"val"``, ``"test"``, ``"predict"``) and forwards the
 callback's hooks to the running stage's. An :class:`EvalTuner` measures its loader pass by pass, as the train loader
-is measured (the wait for each batch against the step, in a :class:`~lightning_dltune.probe.Probe` of its own: the
+is measured (the wait for each batch against the step, in a :class:`~lightning_dltune.measurement.probe.Probe` of its
+own: the
 pass's first batch, with the creation of its iterator, is its start-up), pools passes until a window has
 ``min_steps`` steady steps, and between passes decides with the train loader's model
-(:class:`~lightning_dltune.state.TuningState`), over the batches of the passes left. A switch takes effect at the
+(:class:`~lightning_dltune.tuning.state.TuningState`), over the batches of the passes left. A switch takes effect at the
 next pass: its loader is rebuilt from the user's last one (the user's hook is not called for it, and Lightning's
 reload schedule is kept). On one process a pass of a map-style loader also switches inside, as soon as its window
 can be judged, going on from the batch its iterator reached (:class:`SkipOnce`). A loop with several loaders (a list,
@@ -44,17 +45,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_dltune import _lightning
 from lightning_dltune._warn import info_once, warn_once
-from lightning_dltune.cache import RunCache
-from lightning_dltune.decide import Budget, Decision, Policy
-from lightning_dltune.measure import WindowStats
+from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.measurement.probe import Probe
 from lightning_dltune.mixin import TunableDataModuleMixin
-from lightning_dltune.probe import Probe
-from lightning_dltune.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
+from lightning_dltune.output.cache import RunCache
+from lightning_dltune.output.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.state import TuningState
-from lightning_dltune.switch import apart_from_global
+from lightning_dltune.switching import _lightning
+from lightning_dltune.switching.switch import apart_from_global
+from lightning_dltune.tuning.model import Budget, Decision, Policy
+from lightning_dltune.tuning.state import TuningState
 
 EVAL_LOOPS: tuple[str, ...] = ("val", "test", "predict")
 AHEAD = 1.5  # a pass's first batches begin loading this many times their last measured load time before the pass
@@ -69,7 +70,7 @@ def loop_name(trainer: "pl.Trainer") -> str | None:
 def passes_left(trainer: "pl.Trainer") -> int | None:
     """Validation passes ``fit`` runs after the running one (``None``: unbounded): the training batches left over the
     batches between two validations."""
-    from lightning_dltune.loader import remaining_steps
+    from lightning_dltune.switching.loader import remaining_steps
 
     batches = trainer.num_training_batches
     every = trainer.check_val_every_n_epoch
@@ -148,7 +149,7 @@ class EvalTuner:
         cache: the tuner's ``cache`` argument: the loop's settled settings are remembered under its own key.
         limits: the tuner arguments that bound the search (part of the cache's key).
         window_steps: steady steps after which a window inside a pass is judged (sooner where
-            :meth:`~lightning_dltune.state.TuningState.judge_early` says so).
+            :meth:`~lightning_dltune.tuning.state.TuningState.judge_early` says so).
     """
 
     def __init__(
@@ -442,7 +443,7 @@ class EvalTuner:
         second = self._stop_timing() is not None  # a second fetch before the step ended: the times are no one batch's
         if not second and self._in_pass and self.probe.startup_next and isinstance(guard, PassGuard):
             # at 0 workers, sample by sample: the pass's first window can then be judged on its start-up step alone
-            # (`decide.steady_from_the_start`), as the train loader's is
+            # (`windows.steady_from_the_start`), as the train loader's is
             self._sample_times = _lightning.time_samples(guard.inner, self.probe.clock)
 
     def _stop_timing(self) -> list[float] | None:
@@ -496,7 +497,7 @@ class EvalTuner:
         """A worker of the pass's loader died: record its config as failed, and go on from the batch the pass reached
         on the fallback config (no batch lost or repeated). False (the error propagates) for any other error, where
         the pass cannot go on from its batch, or past the recoveries allowed."""
-        from lightning_dltune.switch import error_summary, is_worker_death
+        from lightning_dltune.switching.switch import error_summary, is_worker_death
 
         iterator, loader, budget = guard.inner, self._pass_loader, self.pass_budget or self.budget
         failed, trainer = self.state.current, self.trainer
@@ -519,7 +520,7 @@ class EvalTuner:
 
     def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agreement: Any) -> bool:
         """The pass ended, with ``left`` passes to come (``None``: unbounded): log it, and judge the window once it
-        has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.agree.Agreement`) takes the
+        has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.tuning.agree.Agreement`) takes the
         decision on every rank alike, a config that failed on one rank included. True when tuning ended here."""
         if not self._counting or self.state.current is None:
             return False
@@ -704,7 +705,7 @@ class EvalLoaders:
         around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None),
     ) -> None:
         """``stage`` begins: ``fit`` runs the validation loop, ``validate`` too; ``test`` and ``predict`` theirs.
-        ``agreement``: the run's :class:`~lightning_dltune.agree.Agreement`; ``train_held()``: what the train
+        ``agreement``: the run's :class:`~lightning_dltune.tuning.agree.Agreement`; ``train_held()``: what the train
         loader's workers hold (alive during validation in ``fit``); ``verbose``: print a loop's summary when its
         tuning ends; ``around``: called as each of the loop's runs begins and ends (the train loader's measurement
         pauses for all of validation, its set-up before ``on_validation_start`` too)."""

@@ -3,8 +3,8 @@
 PyTorch starts every epoch with an empty pipeline: a persistent iterator is reset (its workers drained, then
 refilled from the new epoch's first batch), a non-persistent one is created anew, so the first batches of every
 epoch wait a whole production time. Where the next epoch's order is known before it begins, :class:`Seamless`
-removes that wait: the train loader's :class:`~lightning_dltune.switch.ResumableBatchSampler` goes on into the
-next epoch's batches, the :class:`~lightning_dltune.switch.GuardedIterator` ends the epoch at its length, and
+removes that wait: the train loader's :class:`~lightning_dltune.switching.switch.ResumableBatchSampler` goes on into the
+next epoch's batches, the :class:`~lightning_dltune.switching.switch.GuardedIterator` ends the epoch at its length, and
 the next ``iter(loader)`` gets the same iterator back, its pipeline already full.
 
 The order is known early, and drawn exactly as at the epoch's start, for:
@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dltune._warn import info_once
-from lightning_dltune.switch import GuardedIterator, ResumableBatchSampler
+from lightning_dltune.switching.switch import GuardedIterator, ResumableBatchSampler
 
 
 class Seamless:
@@ -58,7 +58,7 @@ class Seamless:
             workers is served too, whatever ``setting``: it carries nothing, but creates an iterator every epoch);
             ``release(loader)`` lets a persistent loader forget its iterator; ``shutdown(loader, iterator)`` stops
             an iterator's workers unless the loader holds it (the loader switcher passes
-            ``lightning_dltune._lightning``'s).
+            ``lightning_dltune.switching._lightning``'s).
         goes_on: ``goes_on(ahead)``, whether the fit trains past the epoch ``ahead`` epochs after the running one
             (asked as the loader reaches that epoch's end): nothing past the fit's last epoch is loaded.
         before_epoch: ``before_epoch(generator, epoch)`` makes on ``generator`` (a copy of the global random state)

@@ -1,8 +1,8 @@
 """The loader switcher: the one part that changes the train loader, and the only user of ``_lightning``.
 
 :class:`LoaderSwitcher` intercepts every train-loader request of ``fit`` and rebuilds the loader with the
-tuning state's target settings (and a :class:`~lightning_dltune.switch.ResumableBatchSampler`, for in-epoch
-switching); it installs the :class:`~lightning_dltune.switch.GuardedIterator` that performs pending switches
+tuning state's target settings (and a :class:`~lightning_dltune.switching.switch.ResumableBatchSampler`, for in-epoch
+switching); it installs the :class:`~lightning_dltune.switching.switch.GuardedIterator` that performs pending switches
 between two fetches and recovers from dead workers; it requests epoch-boundary reloads; it keeps the global
 random state as an untuned run would; and it knows the epoch's position for checkpoints.
 
@@ -26,15 +26,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from lightning_dltune import _lightning
-from lightning_dltune._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune._warn import info_once, warn_once
+from lightning_dltune.measurement.probe import Probe
 from lightning_dltune.mixin import TunableDataModuleMixin
-from lightning_dltune.probe import Probe
-from lightning_dltune.seamless import Seamless, draws_from_global
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.state import Phase, TuningState, batches_left
-from lightning_dltune.switch import (
+from lightning_dltune.switching import _lightning
+from lightning_dltune.switching._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune.switching.seamless import Seamless, draws_from_global
+from lightning_dltune.switching.switch import (
     GuardedIterator,
     GuardHooks,
     ResumableBatchSampler,
@@ -42,6 +41,7 @@ from lightning_dltune.switch import (
     apart_from_global,
     error_summary,
 )
+from lightning_dltune.tuning.state import Phase, TuningState, batches_left
 
 __all__ = [
     "LoaderSwitcher",
@@ -136,7 +136,7 @@ class LoaderSwitcher:
         on_first_loader: called with the user's first loader (the cache lookup).
         on_failure: ``(what failed, why) -> fallback settings | None`` when a worker died or a config the tuner
             chose could not start.
-        seamless: seamless epochs (see :mod:`lightning_dltune.seamless`): ``"auto"``, ``True`` or ``False``.
+        seamless: seamless epochs (see :mod:`lightning_dltune.switching.seamless`): ``"auto"``, ``True`` or ``False``.
     """
 
     def __init__(
@@ -528,7 +528,7 @@ class LoaderSwitcher:
         guard = self._guarded
         if self.state.tuning and self.probe.startup_next and guard is not None and not self._startup.spoiled:
             # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
-            # lazily shows apart from the rest, and the step can be judged on its own (`decide.steady_from_the_start`)
+            # lazily shows apart from the rest, and the step can be judged on its own (`windows.steady_from_the_start`)
             self._startup.samples = _lightning.time_samples(guard.inner, self.probe.clock)
 
     def _stop_timing(self) -> list[float] | None:
@@ -575,7 +575,7 @@ class LoaderSwitcher:
 
     def _lead(self, new: DataLoader) -> tuple[int, int] | None:
         """How far ahead a background start of ``new`` hands over (``GuardedIterator``'s ``ahead``): enough
-        batches of the running loader to cover a new worker's first batch (``decide.handover_lead``), and before
+        batches of the running loader to cover a new worker's first batch (``model.handover_lead``), and before
         the epoch's last batch (``limit_train_batches`` and ``max_steps`` included). ``None``: it takes over at
         once; so does a loader with its own state (a ``StatefulDataLoader``): the state Lightning saves is the
         serving loader's."""

@@ -1,0 +1,61 @@
+"""The cost model: every prediction the rules make is one ``model.predict``, with these fields."""
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_dltune.tuning.model import Budget, Policy, estimate, predict
+
+from test_decide import BUDGET, cfg, trial, with_mem
+from test_rules import copies
+
+MiB = 2**20
+START = trial(0, 160, 10, fetch_cpu_ms=1)  # 160 ms to load a batch in the training process, a 10 ms step
+
+
+def test_more_workers_take_the_busy_time_and_a_hand_over_or_the_loader_s_pace():
+    est = estimate([START], BUDGET)
+    p = predict(cfg(8), est, [START])
+    # 8 workers deliver a batch every 20 ms; the step (10 ms) and a hand-over before one was measured (1 ms) are less
+    assert p.step_s == pytest.approx(0.160 / 8)
+    assert p.wait_s == pytest.approx(0.160 / 8 - 0.010)
+    p = predict(cfg(32), est, [START])  # enough workers: the step and the hand-over
+    assert p.step_s == pytest.approx(0.010 + Policy().handover_prior_s)
+
+
+def test_the_cpus_the_workers_get_bound_their_pace():
+    # 4 workers used 1.2 CPUs (60 ms of CPU a 50 ms step); 16 would get at most the budget's 2 CPUs
+    running = trial(4, 40, 10, worker_cpu_ms=60)
+    trials = [START, running]
+    est = estimate(trials, BUDGET)
+    assert predict(cfg(16), est, trials).step_s == pytest.approx(0.060 / 2)
+
+
+def test_deeper_prefetch_and_pinned_memory_take_their_share_off_the_step():
+    trials = [START, trial(16, 2.0, 10)]
+    est = estimate(trials, BUDGET)
+    assert predict(cfg(16, 4), est, trials).step_s == pytest.approx(0.012 - Policy().prefetch_absorbs * 0.002)
+    copied = copies(trial(16, 2.0, 10), copy_ms=4.0, step_ms=8.0)
+    pinned = replace(cfg(16), pin_memory=True)
+    p = predict(pinned, estimate([START, copied], BUDGET), [START, copied])
+    assert p.step_s == pytest.approx(0.012 - Policy().pinned_copy_saves * 0.004)
+
+
+def test_memory_and_shared_memory_of_the_workers_and_their_batches_in_flight():
+    measured = with_mem(trial(4, 20, 10), 30, batch_mib=1.0)
+    trials = [START, measured]
+    est = estimate(trials, Budget(cpus=2, max_workers=64, memory_bytes=1000 * MiB))
+    p = predict(cfg(8), est, trials)
+    assert p.memory_bytes == pytest.approx(8 * (30 + 2 * 1.0) * MiB)  # each worker and its 2 prefetched batches
+    assert p.shm_bytes == pytest.approx(16 * MiB)
+    pinned = predict(replace(cfg(8), pin_memory=True), est, trials)
+    assert pinned.memory_bytes == pytest.approx(p.memory_bytes + 1.0 * MiB)  # the pin thread's batch
+
+
+def test_what_a_start_costs_depends_on_where_the_switch_is_made():
+    trials = [START, trial(8, 20, 10)]
+    est = estimate(trials, BUDGET)
+    prior = Policy().startup_prior_s
+    assert predict(cfg(16), est, trials).start_s == pytest.approx(16 * prior)  # a new loader, in the open
+    assert predict(cfg(16), est, trials, in_place=True).start_s == pytest.approx(8 * prior)  # 8 added beside
+    assert predict(cfg(8, 4), est, trials, in_place=True).start_s == 0.0  # prefetch on the running workers
