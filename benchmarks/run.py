@@ -42,10 +42,12 @@ from lightning_dltune import DataLoaderTuner
 from lightning_dltune.measurement.budget import cpu_budget, default_max_workers
 from lightning_dltune.switching.loader import rebuild_dataloader  # noqa: F401  (documents how configs are applied)
 from lightning_dltune.tools.synthetic import (
+    CpuStepModel,
     ResNetClassifier,
     SimulatedModel,
     SyntheticDataModule,
     SyntheticDataset,
+    cpu_step_matmuls,
     image_folder,
     in_memory_dataset,
     write_jpeg_folder,
@@ -84,6 +86,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "what": "TensorDataset already in memory",
         "target": 1.05,
     },
+    "cpu_step": {
+        "make": lambda n: SyntheticDataset(n, cpu_ms=1.5),
+        "samples": 256,  # 16 steps an epoch: 128 steps over the 8 epochs
+        "step_ms": 20.0,
+        "model": lambda: CpuStepModel(matmuls=_cpu_step_matmuls()),
+        "what": "1.5 ms CPU decode per sample, a 20 ms step that computes on the CPUs",
+        "target": 1.05,
+    },
     "accelerator": {
         "make": lambda n: SyntheticDataset(n, latency_ms=0.3),
         "samples": 320,
@@ -94,6 +104,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 BATCH = 16
 TUNER_MAX_PREFETCH = inspect.signature(DataLoaderTuner).parameters["max_prefetch"].default
+
+
+@functools.cache
+def _cpu_step_matmuls() -> int:
+    """The cpu_step workload's work per step, measured once per run of this script (every arm does the same)."""
+    return cpu_step_matmuls(WORKLOADS["cpu_step"]["step_ms"])
 
 
 @functools.cache

@@ -133,7 +133,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
           fraction; from CUDA events read without synchronizing, and what decisions use there)
         - ``dltune/gpu_idle_ms``, ``dltune/h2d_ms``: mean idle gap and host-to-device copy per step as the GPU
           saw them (CUDA only, ms)
-        - ``dltune/stall_frac_spread``: max minus min stall fraction across ranks (distributed runs only)
+        - ``dltune/stall_frac_spread``, ``dltune/stall_frac_max``, ``dltune/stall_frac_min``,
+          ``dltune/stall_frac_max_rank``: each rank's stall, its range and the rank that waits most (distributed runs)
         - ``dltune/val/*``, ``dltune/test/*``, ``dltune/predict/*``: ``stall_frac``, ``data_wait_ms``, ``step_ms``,
           ``other_ms``, ``samples_per_s``, ``num_workers``, ``prefetch_factor`` of each evaluation pass, once per
           pass; at the ``global_step`` the pass ran at in ``fit``, at the pass's number (1, 2, ...) of its loop
@@ -220,7 +221,6 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     agreed_budget = property(lambda self: self.agreement.budget, doc="The tightest node's budget (DDP).")
     stall_spread = property(lambda self: self.agreement.stall_spread, doc="Max - min stall across ranks.")
     plot_file = property(lambda self: self.view.plot_file, doc="The PNG of the run drawn after ``fit``.")
-
     state_key = property(lambda self: self._state_key, doc="Built once: Lightning reads it at every hook call.")
 
     # --- set-up and tear-down -----------------------------------------------------------------------------------
@@ -337,10 +337,10 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
 
     def _log(self, trainer: "pl.Trainer") -> None:
         stats, gpu_stats, nvml = self.probe.take_log()
-        spread = self.agreement.spread(stats.stall_frac)
+        self.agreement.spread(stats.stall_frac)  # every rank's, in `rank_stalls`
         if stats.steps:  # the series is kept with or without a logger
             current = self.state.current or LoaderSettings()
-            self.view.window(trainer, window_metrics(stats, gpu_stats, current, spread, nvml))
+            self.view.window(trainer, window_metrics(stats, gpu_stats, current, self.agreement.rank_stalls, nvml))
 
     # --- deciding -----------------------------------------------------------------------------------------------
     def _close_window(self, trainer: "pl.Trainer", now: bool, done: float) -> None:
@@ -354,7 +354,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
         budget = beside(self.budget, self.evals.held_bytes())  # the evaluation loops' persistent workers
         stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed)
-        change = self.state.apply(decision, stats, budget, trainer.global_step, failures := self.agreement.failures)
+        failures, stalls = self.agreement.failures, self.agreement.rank_stalls  # no stalls in a single process
+        change = self.state.apply(decision, stats, budget, trainer.global_step, failures, stalls)
         self.probe.memory.measuring = self.state.probing_memory
         if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings

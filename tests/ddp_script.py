@@ -1,6 +1,7 @@
 """Run by tests/test_ddp.py as its own process tree: Lightning's "ddp" launcher re-executes this script.
 
 python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
+                                            # ... rank 1 loads at half rank 0's pace
 python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
 python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
@@ -121,6 +122,8 @@ def main() -> None:
         from test_memory_budget import Leaky  # each worker keeps 512 KiB of every sample it loads
 
         dataset: SyntheticDataset = Leaky(length=384)
+    elif kind == "single":  # rank 1's samples take twice as long: the ranks differ, and the tuner says which waits
+        dataset = SyntheticDataset(length=384, latency_ms=5.0 * (1 + int(os.environ.get("LOCAL_RANK", 0))))
     else:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
     validated = kind == "single"  # with a validation set, validated every epoch
@@ -135,6 +138,7 @@ def main() -> None:
         "best_settings": tuner.best_settings,
         "trials": [t.settings.to_loader_kwargs() for t in tuner.trials],
         "decisions": [t.decision for t in tuner.trials],
+        "trial_ranks": [list(t.ranks) for t in tuner.trials],  # each rank's stall, per window
         "own_cpus": len(os.sched_getaffinity(0)),
         "agreed_cpus": None if tuner.agreed_budget is None else tuner.agreed_budget.cpus,
         "stall_spread": tuner.stall_spread,

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 
 from lightning_dltune.measurement.measure import WindowStats
@@ -54,7 +55,7 @@ class FakeStrategy:
         return getattr(self, "rank0_choice", obj)
 
 
-def test_a_decision_uses_the_slowest_rank_and_the_tightest_node_on_the_root_device():
+def test_a_decision_uses_the_most_stalled_rank_and_the_tightest_node_on_the_root_device():
     fast = WindowStats(steps=10, samples=160, wall_s=1.0, wait_s=0.1)
     slow = WindowStats(steps=10, samples=160, wall_s=3.0, wait_s=2.0)
     mine = Budget(cpus=8.0, max_workers=32, memory_bytes=8e9, shm_bytes=None, bound_by="affinity")
@@ -126,3 +127,39 @@ def test_every_memory_field_is_agreed_on_as_the_largest_rank_s():
 
     memory_fields = {f.name for f in dataclasses.fields(WindowStats) if "mem" in f.name} | {"batch_bytes"}
     assert memory_fields == set(agree._MAX_FIELDS)
+
+
+def test_ranks_in_lockstep_are_told_apart_by_their_wait_and_each_rank_s_stall_is_kept():
+    # both ranks took 2 s (they run in lockstep); this one read fewer samples but waited 0.2 s, the other 1.8 s: the
+    # other's loader holds the run up, and the decision is taken on its window
+    budget = Budget(cpus=2.0, max_workers=16)
+    mine = WindowStats(steps=10, samples=128, wall_s=2.0, wait_s=0.2)
+    theirs = WindowStats(steps=10, samples=160, wall_s=2.0, wait_s=1.8)
+    strategy = FakeStrategy(row(theirs, budget))
+    strategy.mine = row(mine, budget)
+    agreement = Agreement(strategy)
+    stats, _, _ = agreement.decide(mine, budget, lambda s, b, f: None)
+    assert stats == theirs
+    assert agreement.rank_stalls == pytest.approx([0.1, 0.9])
+    assert agreement.spread(0.8) == pytest.approx(0.6) and agreement.rank_stalls == pytest.approx([0.8, 0.2])
+
+
+def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary():
+    from dataclasses import replace
+
+    from lightning_dltune.output.report import (
+        STALL_MAX_RANK,
+        summary_table,
+        trial_from_dict,
+        trial_to_dict,
+        window_metrics,
+    )
+    from lightning_dltune.tuning.model import Trial
+
+    stats = WindowStats(steps=10, samples=160, wall_s=2.0, wait_s=1.8)
+    metrics = window_metrics(stats, None, LoaderSettings(), [0.1, 0.9])
+    assert metrics[STALL_MAX_RANK] == 1.0 and metrics["dltune/stall_frac_spread"] == pytest.approx(0.8)
+    assert "dltune/stall_frac_max" not in window_metrics(stats, None, LoaderSettings())  # a single process
+    trial = replace(Trial(LoaderSettings.normalized(8), stats), ranks=(0.1, 0.9))
+    assert trial_from_dict(trial_to_dict(trial)).ranks == (0.1, 0.9)
+    assert "0:10% 1:90%" in summary_table([trial], None)

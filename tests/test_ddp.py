@@ -69,6 +69,10 @@ def test_two_processes_agree_without_hanging(tmp_path, mode):
     assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
     results = read(tmp_path)
     check_agreement_and_shards(results, tmp_path)
+    # rank 1's samples take twice as long: every rank keeps each rank's stall, and at 0 workers rank 1 waits most
+    first = results[0]["trial_ranks"][0]
+    assert all(r["trial_ranks"] == results[0]["trial_ranks"] for r in results)
+    assert len(first) == 2 and first[1] > first[0] + 0.2, results[0]["trial_ranks"]
     # validation: each rank's DistributedSampler shard (unshuffled), in order, at every pass (the sanity check's 2
     # batches first) as an untuned run has it; its loader's configs agreed on both ranks, the tuner's after the first
     for r in results:

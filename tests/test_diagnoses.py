@@ -9,7 +9,7 @@ from lightning_dltune.tuning.diagnose import DIAGNOSES, diagnose, diagnosed
 from lightning_dltune.tuning.model import Budget
 
 from test_decide import BUDGET, cfg, trial, with_mem
-from test_rules import copies
+from test_rules import CPU_STEP, copies
 
 WIDE = Budget(cpus=2.0, max_workers=64)
 
@@ -31,6 +31,18 @@ CASES = {
     "transfer_bound": ([copies(trial(0, 0.1, 10), 8, 4)], cfg(0), BUDGET, False, "transfer-bound"),
     "accelerator_bound": ([trial(0, 0.1, 10)], cfg(0), BUDGET, False, "accelerator-bound"),
     "loading_hidden": ([trial(0, 160, 10), trial(16, 0.2, 10)], cfg(16), BUDGET, False, "input-bound at the start"),
+    # 2 ranks on 8 workers: rank 1's samples take 6x as long, and it still waits 39% of the time, rank 0 2%
+    "one_rank_holds_up": (
+        [
+            replace(trial(0, 160, 10, fetch_cpu_ms=1), ranks=(0.5, 0.94)),
+            replace(trial(8, 6.4, 10), ranks=(0.02, 0.39)),
+        ],
+        cfg(8),
+        Budget(cpus=2.0, max_workers=8),
+        False,
+        "input-bound on rank 1: its loader holds every rank up (it waited 39% of the time, rank 0 2%, which waits "
+        "for it inside the all-reduce); every rank runs on workers=8 prefetch=2; the model wants",
+    ),
     "held_by_memory": (
         [trial(0, 160, 10, fetch_cpu_ms=1), with_mem(trial(4, 20, 10), 60, growth_mib=0.5, epoch=40)],
         cfg(3),
@@ -44,6 +56,16 @@ CASES = {
         Budget(cpus=2, max_workers=64, shm_bytes=128 * 2**20),
         False,
         "input-bound and held back by the shared memory (/dev/shm) budget",
+    ),
+    # 2 workers made the 20 ms step 50 ms, and the run went back to 0 workers
+    "workers_contend": (
+        [CPU_STEP, trial(2, 5, 50, steps=3, min_wall_ms=54)],
+        cfg(0),
+        BUDGET,
+        False,
+        "CPU contention: with workers=2 prefetch=2 the step took 2.5x longer (50 ms against 20 ms): workers and "
+        "training share the 2 CPUs; `torch.set_num_threads(n)` with n under 2 leaves CPUs to workers (the step "
+        "computes on 2.0)",
     ),
     "cpu_bound": (
         [trial(0, 40, 10, fetch_cpu_ms=40), trial(2, 12, 10, worker_cpu_ms=40)],
@@ -118,3 +140,13 @@ def test_a_held_run_says_why_it_stopped():
 
 def test_every_diagnosis_has_a_case():
     assert {d.__name__ for d in DIAGNOSES} | {"stall_left"} == set(CASES)
+
+
+def test_contention_is_said_for_the_measurements_that_show_it_and_the_same_measurements_say_the_same():
+    trials, settled, budget, _, _ = CASES["workers_contend"]
+    assert diagnosed(trials, settled, budget) == diagnosed(list(trials), settled, budget)
+    # a step that leaves the CPUs to the loader (it computes on none) is not contention
+    light = replace(CPU_STEP, stats=replace(CPU_STEP.stats, main_cpu_s=CPU_STEP.stats.fetch_cpu_s))
+    assert diagnosed([light, *trials[1:]], settled, budget)[0] != "workers_contend"
+    # nor a trial whose step took as long as at 0 workers
+    assert diagnosed([CPU_STEP, trial(2, 5, 20, steps=3)], settled, budget)[0] != "workers_contend"

@@ -26,6 +26,16 @@ def copies(t, copy_ms, step_ms):
     return Trial(t.settings, t.stats.with_gpu(gpu))
 
 
+def stepping_on(t, cpus):
+    """``t`` with the training process measured using ``cpus`` CPUs while it steps (its CPU time: the step's and the
+    loading's)."""
+    s = t.stats
+    return replace(t, stats=replace(s, main_cpu_s=s.fetch_cpu_s + cpus * s.step_s))
+
+
+# 0 workers: 24 ms of CPU to load a batch (a decode), a 20 ms step that computes on both of the 2 CPUs
+CPU_STEP = stepping_on(trial(0, 24, 20, fetch_cpu_ms=24), 2.0)
+
 # rule: (trials, budget, keyword arguments of decide, action, settings)
 CASES = {
     "too_few_steps": ([trial(0, 160, 10, steps=1)], BUDGET, {}, "measure", cfg(0)),
@@ -182,6 +192,8 @@ WINDOW_CASES = {
         [trial(0, 60, 12.5), trial(16, 3.0, 8.0, steps=4, wait_sem_ms=0.5, busy_sem_ms=0.2)],
         None,
     ),
+    # 2 workers beside a step that computes on the CPUs: each of its 3 steps slower than the 44 ms it left
+    "slower_than_before": ([CPU_STEP, trial(2, 5, 50, steps=3, min_wall_ms=54)], None),
     # a third of the time waiting with workers, after min_steps: beyond the threshold, short of a plain stall
     "stalls_with_workers": ([trial(0, 160, 10, fetch_cpu_ms=1), trial(4, 5, 10, steps=8)], None),
     "still_open": (
@@ -234,3 +246,23 @@ def test_no_more_workers_where_the_model_s_count_was_measured_already():
     decision = decide(trials, Budget(cpus=2.0, max_workers=12))
     assert (decision.rule, decision.action, decision.settings) == ("no_more_workers", "settle", cfg(8))
     assert "was already measured" in decision.reason
+
+
+def test_a_step_that_computes_on_the_cpus_is_predicted_at_a_fair_share_and_still_tried():
+    """Beside a step that computes on both of the 2 CPUs, workers are predicted at a fair share of them (32 ms a step
+    against 44 at 0 workers) and tried; contention beyond that is measured (``slower_than_before``)."""
+    decision = decide([CPU_STEP], BUDGET)
+    assert (decision.rule, decision.action) == ("jump_to_the_model", "try"), decision.reason
+    held = decide([CPU_STEP], BUDGET, remaining_steps=4)  # over 4 steps the fair share does not pay the start
+    assert (held.rule, held.action) == ("start_costs_more", "hold"), held.reason
+
+
+def test_a_slower_trial_ends_after_its_sign_steps_and_the_tuner_goes_back():
+    slower = trial(2, 5, 50, steps=3, min_wall_ms=54)
+    decision = decide([CPU_STEP, slower], BUDGET)
+    assert (decision.rule, decision.settings) == ("change_did_not_pay", cfg(0)), decision.reason
+    # two steps are not a sign test; a trial faster on one of its steps is not ended
+    from lightning_dltune.tuning.windows import judged_early
+
+    assert judged_early([CPU_STEP, trial(2, 5, 50, steps=2, min_wall_ms=54)]) is None
+    assert judged_early([CPU_STEP, trial(2, 5, 50, steps=3, min_wall_ms=30)]) is None

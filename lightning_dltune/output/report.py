@@ -33,16 +33,19 @@ GPU_STALL_FRAC = PREFIX + "gpu_stall_frac"
 GPU_IDLE_MS = PREFIX + "gpu_idle_ms"
 H2D_MS = PREFIX + "h2d_ms"
 STALL_SPREAD = PREFIX + "stall_frac_spread"
+STALL_MAX, STALL_MIN = PREFIX + "stall_frac_max", PREFIX + "stall_frac_min"
+STALL_MAX_RANK = PREFIX + "stall_frac_max_rank"
 
 
 def window_metrics(
     stats: WindowStats,
     gpu: GpuStats | None,
     settings: LoaderSettings,
-    spread: float | None = None,
+    rank_stalls: Sequence[float] = (),
     nvml: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """The ``dltune/*`` metrics of one logging window (see :class:`~lightning_dltune.DataLoaderTuner`)."""
+    """The ``dltune/*`` metrics of one logging window (see :class:`~lightning_dltune.DataLoaderTuner`);
+    ``rank_stalls``: every rank's stall fraction, in a distributed run."""
     metrics = {
         STALL_FRAC: stats.stall_frac,
         DATA_WAIT_MS: stats.mean_wait_s * 1e3,
@@ -53,8 +56,10 @@ def window_metrics(
         PREFETCH_FACTOR: float(settings.prefetch_factor or 0),
         PIN_MEMORY: float(settings.pin_memory),
     }
-    if spread is not None:
-        metrics[STALL_SPREAD] = spread
+    if len(rank_stalls) > 1:  # which rank waits most, and the range
+        metrics[STALL_MAX], metrics[STALL_MIN] = max(rank_stalls), min(rank_stalls)
+        metrics[STALL_SPREAD] = metrics[STALL_MAX] - metrics[STALL_MIN]
+        metrics[STALL_MAX_RANK] = float(max(range(len(rank_stalls)), key=rank_stalls.__getitem__))
     if gpu is not None and gpu.stall_frac is not None:
         metrics[GPU_STALL_FRAC] = gpu.stall_frac
         metrics[GPU_IDLE_MS] = gpu.mean_idle_s * 1e3
@@ -122,12 +127,16 @@ def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> st
     """A fixed-width table: one row per trial with its throughput, stall and the decision taken after it.
 
     With a GPU timeline (CUDA) it adds the GPU's stall (idle gap waiting for the loader) and the host-to-device
-    copy per step, next to the host's measure.
+    copy per step, next to the host's measure; in a distributed run, each rank's stall (``rank:stall``: the row's
+    other figures are the most stalled rank's).
     """
     on_gpu = any(t.stats.gpu_steps for t in trials)
     header: tuple[str, ...] = ("config", "steps", "samples/s", "stall", "wait ms", "step ms", "startup s")
     if on_gpu:
         header += ("gpu stall", "h2d ms")
+    by_rank = any(t.ranks for t in trials)
+    if by_rank:
+        header += ("stall by rank",)
     header += ("decision",)
     rows = []
     for t in trials:
@@ -148,6 +157,8 @@ def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> st
                 "-" if gpu_stall is None else f"{gpu_stall:.1%}",
                 f"{s.gpu.mean_copy_s * 1e3:.2f}" if s.gpu_steps else "-",
             )
+        if by_rank:
+            row += (" ".join(f"{i}:{x:.0%}" for i, x in enumerate(t.ranks)) or "-",)
         said = (t.failed and f"FAILED: {t.failed}") or t.decision
         rows.append((*row, f"[{t.rule}] {said}" if t.rule and said else said))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
@@ -165,6 +176,7 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
         "failed": trial.failed,
         "decision": trial.decision,
         "rule": trial.rule,
+        "ranks": list(trial.ranks),
     }
 
 
@@ -177,6 +189,7 @@ def trial_from_dict(data: dict[str, Any]) -> Trial:
         failed=data.get("failed"),
         decision=data.get("decision", ""),
         rule=data.get("rule") or _rule_of_older(data),
+        ranks=tuple(float(x) for x in data.get("ranks") or ()),
     )
 
 

@@ -33,6 +33,9 @@ from lightning_dltune.output.report import (
     PREFETCH_FACTOR,
     SAMPLES_PER_S,
     STALL_FRAC,
+    STALL_MAX,
+    STALL_MAX_RANK,
+    STALL_MIN,
     STALL_SPREAD,
     STEP_MS,
     WindowSeries,
@@ -45,7 +48,8 @@ from lightning_dltune.tuning.state import TuningState
 SUMMARY_TAG = "dltune/summary"
 DASHBOARD = "dltune"
 DASHBOARD_CHARTS: dict[str, tuple[str, ...]] = {
-    "stall (fraction of the step's time)": (STALL_FRAC, GPU_STALL_FRAC, STALL_SPREAD),
+    "stall (fraction of the step's time)": (STALL_FRAC, GPU_STALL_FRAC, STALL_SPREAD, STALL_MAX, STALL_MIN),
+    "rank that waits most": (STALL_MAX_RANK,),
     "data wait (ms per step)": (DATA_WAIT_MS, GPU_IDLE_MS),
     "step time (ms)": (STEP_MS, OTHER_MS),
     "throughput (samples/s)": (SAMPLES_PER_S,),

@@ -169,6 +169,34 @@ class SimulatedModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class CpuStepModel(SimulatedModel):
+    """A classifier whose ``training_step`` computes on the CPUs: ``matmuls`` products of two ``size`` x ``size``
+    matrices (a fixed amount of work, spread over torch's intra-op threads), instead of :class:`SimulatedModel`'s
+    sleep. What a CPU training step, or a GPU rank's Python on few cores, asks of the host's CPUs."""
+
+    def __init__(self, matmuls: int = 20, size: int = 256, **kwargs: Any) -> None:
+        super().__init__(step_ms=0.0, **kwargs)
+        self.matmuls = matmuls
+        self.mat = torch.randn(size, size)  # on the CPU: the step is the host's work
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        acc = self.mat
+        for _ in range(self.matmuls):
+            acc = torch.tanh(acc @ self.mat)
+        return super().training_step(batch, batch_idx) + 0.0 * acc.mean()
+
+
+def cpu_step_matmuls(step_ms: float, size: int = 256) -> int:
+    """The ``matmuls`` of :class:`CpuStepModel` that take about ``step_ms`` on this machine, idle, now."""
+    mat = torch.randn(size, size)
+    acc, t0, n = mat, time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.3:
+        acc = torch.tanh(acc @ mat)
+        n += 1
+    per = (time.perf_counter() - t0) / n
+    return max(1, round(step_ms / 1e3 / per))
+
+
 def write_jpeg_folder(root: str | Path, per_class: int = 48, classes: int = 2, size: int = 48) -> Path:
     """Write ``classes`` folders of ``per_class`` JPEG files each (``size`` pixels square, each image its own noise,
     each class its own colours) under ``root``, as ``torchvision.datasets.ImageFolder`` reads them. Needs Pillow."""

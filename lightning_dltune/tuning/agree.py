@@ -1,7 +1,8 @@
 """Agreement across ranks: every collective the tuner makes, in one place, with tensors on the strategy's device.
 
 Each rank measures its own windows; at a decision point :meth:`Agreement.decide` gathers every rank's window
-statistics and budget in one ``all_gather``, takes the slowest rank's statistics and the tightest node's budget,
+statistics and budget in one ``all_gather``, takes the statistics of the rank that waited most for data (ranks run
+in lockstep, so their wall times are alike: the wait is what differs) and the tightest node's budget,
 decides on them and broadcasts rank 0's decision, so every rank changes its loader at the same step. NCCL only
 takes tensors on the GPU: every tensor is made on ``strategy.root_device``. In a single process nothing is sent.
 """
@@ -42,12 +43,14 @@ class Agreement:
     Attributes:
         budget: the budget last agreed on (the tightest node's), ``None`` before the first decision.
         stall_spread: max minus min stall fraction across ranks at the last decision or log step.
+        rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
     """
 
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
         self.budget: Budget | None = None
         self.stall_spread: float | None = None
+        self.rank_stalls: list[float] = []
         self.failures: list[LoaderSettings] = []
 
     @property
@@ -64,7 +67,7 @@ class Agreement:
         choose: Callable[[WindowStats, Budget, list[LoaderSettings]], T],
         failed: LoaderSettings | None = None,
     ) -> tuple[WindowStats, Budget, T]:
-        """``choose`` on the slowest rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
+        """``choose`` on the most stalled rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
         (one that failed on that rank alone since the last decision point), the same on every rank.
         :attr:`failures` keeps the configs gathered."""
         self.failures = [] if failed is None else [failed]
@@ -81,14 +84,14 @@ class Agreement:
         row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed)
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
         col = _STATS_FIELDS.index
-        per_sample = table[:, col("wall_s")] / table[:, col("samples")].clamp(min=1)
-        slowest = table[int(per_sample.argmax())].tolist()
-        values: dict[str, Any] = dict(zip(_STATS_FIELDS, slowest[: len(_STATS_FIELDS)], strict=True))
+        stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
+        stalled = table[int(stall.argmax())].tolist()
+        values: dict[str, Any] = dict(zip(_STATS_FIELDS, stalled[: len(_STATS_FIELDS)], strict=True))
         for name in _INT_FIELDS:
             values[name] = int(values[name])
         for name in _MAX_FIELDS:
             values[name] = float(table[:, col(name)].max())
-        stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
+        self.rank_stalls = [float(x) for x in stall]
         self.stall_spread = float(stall.max() - stall.min())
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
@@ -121,10 +124,12 @@ class Agreement:
         return float(self.strategy.reduce(self._tensor([value]), reduce_op="max").item())
 
     def spread(self, stall: float) -> float | None:
-        """Max minus min of ``stall`` over the ranks (``None`` in a single process); kept in ``stall_spread``."""
+        """Max minus min of ``stall`` over the ranks (``None`` in a single process); kept in ``stall_spread``, and
+        every rank's in ``rank_stalls``."""
         if not self.distributed:
             return self.stall_spread
-        stalls = self.strategy.all_gather(self._tensor([stall]))
+        stalls = self.strategy.all_gather(self._tensor([stall])).reshape(-1)
+        self.rank_stalls = [float(x) for x in stalls]
         self.stall_spread = float(stalls.max() - stalls.min())
         return self.stall_spread
 

@@ -23,7 +23,7 @@ def faster_by(a: Trial, b: Trial) -> tuple[float, float]:
     if not (a.on_host and b.on_host and sa.samples and sb.samples):
         return whole
     ka, kb = sa.steps / sa.samples, sb.steps / sb.samples  # steps per sample
-    (busy_a, sem_a), (busy_b, sem_b) = (_busy(s) for s in (sa, sb))
+    (busy_a, sem_a), (busy_b, sem_b) = (busy_per_step(s) for s in (sa, sb))
     busy_noise = 2.0 * math.hypot(sem_a, sem_b)
     if busy_b > busy_a + busy_noise:
         return whole
@@ -35,7 +35,7 @@ def faster_by(a: Trial, b: Trial) -> tuple[float, float]:
     return max(whole, waits, key=lambda r: r[0] - r[1])
 
 
-def _busy(s: WindowStats) -> tuple[float, float]:
+def busy_per_step(s: WindowStats) -> tuple[float, float]:
     """The busy time per step and its error, the slowest block of steps left out where it was measured."""
     if s.busy_trim_s > 0:
         return s.busy_trim_s, s.busy_trim_sem_s

@@ -8,6 +8,7 @@ from functools import cached_property
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tuning import memory
+from lightning_dltune.tuning.compare import busy_per_step
 from lightning_dltune.tuning.memory import MiB, WorkerMemory
 from lightning_dltune.tuning.model import (
     Bound,
@@ -20,7 +21,9 @@ from lightning_dltune.tuning.model import (
     bursty,
     estimate,
     handover_s,
+    host_busy,
     life_batches,
+    step_cpus,
     worker_cap,
     worker_memory,
 )
@@ -209,6 +212,24 @@ def loading_hidden(r: Reading) -> str | None:
     )
 
 
+def one_rank_holds_up(r: Reading) -> str | None:
+    """In a distributed run, one rank waits for data beyond ``stall_threshold`` more than another: its loader holds
+    every rank up (they run in lockstep and wait for it inside the all-reduce)."""
+    ranks = r.final.ranks
+    if len(ranks) < 2 or max(ranks) - min(ranks) <= r.th:
+        return None
+    most = max(range(len(ranks)), key=ranks.__getitem__)
+    least = min(range(len(ranks)), key=ranks.__getitem__)
+    wants = ""
+    if r.est.needed_workers > r.budget.max_workers:
+        wants = f"; the model wants {r.est.needed_workers} workers for it, `max_workers` is {r.budget.max_workers}"
+    return (
+        f"input-bound on rank {most}: its loader holds every rank up (it waited {ranks[most]:.0%} of the time, rank "
+        f"{least} {ranks[least]:.0%}, which waits for it inside the all-reduce); every rank runs on "
+        f"{r.settled.describe()}{wants}. Balance the shards, or speed up rank {most}'s storage or decoding."
+    )
+
+
 def held_by_memory(r: Reading) -> str | None:
     """The memory budget caps the workers below the model's count."""
     (cap, bound), est, memory_bytes = r.cap, r.est, r.budget.memory_bytes
@@ -232,6 +253,30 @@ def held_by_shm(r: Reading) -> str | None:
         f"{est.needed_workers} workers. Free memory, make the dataset lighter per worker (lazy loading, numpy "
         "arrays instead of Python objects), or raise `max_memory` / the shared memory size (--shm-size, --ipc=host)."
     )
+
+
+def workers_contend(r: Reading) -> str | None:
+    """The training step computes on the CPUs the workers need: a trial with workers made the step longer beyond
+    noise, and the run settled on fewer workers."""
+    start, settled = r.start, r.settled
+    k = step_cpus(start.stats)
+    if start.settings.num_workers != 0 or k <= 0:
+        return None
+    cpus, busy0 = r.budget.cpus, host_busy(start)
+    slowed = [(t, busy_per_step(t.stats)) for t in r.more if t.settings.num_workers > settled.num_workers]
+    slowed = [(t, b) for t, b in slowed if b[0] > busy0 * (1 + r.policy.min_gain) + 2 * b[1]]
+    if not slowed:
+        return None
+    t, (busy, _) = max(slowed, key=lambda tb: tb[1][0])
+    what = (
+        f"with {t.settings.describe()} the step took {busy / busy0:.1f}x longer ({busy * 1e3:.0f} ms against "
+        f"{busy0 * 1e3:.0f} ms): workers and training share the {cpus:g} CPUs"
+    )
+    fix = "give the job more CPUs or make loading cheaper"
+    if k > 1:
+        threads = f"`torch.set_num_threads(n)` with n under {cpus:g} leaves CPUs to workers"
+        fix = f"{threads} (the step computes on {k:.1f}), {fix}"
+    return f"CPU contention: {what}; {fix}."
 
 
 def cpu_bound(r: Reading) -> str | None:
@@ -320,8 +365,10 @@ DIAGNOSES: tuple[Diagnosis, ...] = (
     transfer_bound,
     accelerator_bound,
     loading_hidden,
+    one_rank_holds_up,
     held_by_memory,
     held_by_shm,
+    workers_contend,
     cpu_bound,
     built_sample_by_sample,
     more_workers_did_not_help,

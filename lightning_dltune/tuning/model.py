@@ -100,6 +100,7 @@ class Trial:
     failed: str | None = None
     decision: str = ""
     rule: str = ""  # the rule that made the decision (see `RULES`), "" before one was taken
+    ranks: tuple[float, ...] = ()  # each rank's stall in this window (distributed runs; ``stats`` is the most stalled)
 
     @property
     def usable(self) -> bool:
@@ -158,6 +159,7 @@ class Estimate:
     safe_workers: int | None = None  # workers that fit even at the ceiling (None: no budget or no ceiling)
     mem_life_batches: float = math.inf
     mem_ceiling_bytes: float = 0.0  # what this process holds (not file-backed): a worker's most
+    step_cpus: float = 0.0  # the CPUs the training process uses while it steps (:func:`step_cpus`)
 
     @property
     def cpu_bound(self) -> bool:
@@ -205,8 +207,18 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         worker_cpus=worker_cpus,
         needed_workers=max(1, needed),
         cpu_cap_workers=cpu_cap,
+        step_cpus=min(step_cpus(s), worker_cpus),  # the process's CPU time holds more than its steps: at most all
     )
     return _with_memory_caps(est, trials, usable, budget, policy)
+
+
+def step_cpus(s: WindowStats) -> float:
+    """The CPUs the training process uses while it is busy (its step and the host work between steps): its CPU time
+    less what loading took in it, over its busy time; 0 where its CPU time was not measured."""
+    busy = s.step_s + s.other_s
+    if s.main_cpu_s <= 0 or busy <= 0:
+        return 0.0
+    return max(0.0, s.main_cpu_s - s.fetch_cpu_s) / busy
 
 
 def _batch_times(usable: Sequence[Trial], policy: Policy) -> tuple[float, float, float]:
@@ -417,8 +429,9 @@ def predict(
 
     * pinned memory where ``base`` had none: ``base``'s step less ``policy.pinned_copy_saves`` of its copy;
     * a deeper prefetch alone: ``base``'s step less ``policy.prefetch_absorbs`` of its wait;
-    * another worker count: the step's busy time (with a worker's hand-over, :func:`handover_s`, from 0 workers) or
-      the loader's pace, whichever is longer (:func:`pace_s`).
+    * another worker count: the step's busy time (with a worker's hand-over, :func:`handover_s`, from 0 workers;
+      stretched where the step and the loading need more CPU than there is, :func:`contended_s`) or the loader's
+      pace (:func:`pace_s`), whichever is longer.
 
     ``in_epoch``, ``in_place``: where the switch is made (:func:`start_s`)."""
     base = base or trials[-1]
@@ -431,7 +444,7 @@ def predict(
         step = est.busy_s + est.batch_s
     else:
         hand = handover_s(trials, policy) if was.num_workers == 0 else 0.0
-        step = max(est.busy_s + hand, pace_s(est, base, w))
+        step = max(est.busy_s + hand, pace_s(est, base, w), contended_s(est))
     flight = memory.in_flight_bytes(est.batch_bytes, cand.prefetch_factor, cand.pin_memory)
     held = memory.total_bytes(est.memory, w, est.mem_life_batches, est.mem_ceiling_bytes or None, flight)
     return Prediction(
@@ -452,6 +465,16 @@ def pace_s(est: Estimate, base: Trial, workers: int) -> float:
     used = s.worker_cpu_s / s.wall_s if running and s.wall_s > 0 else 0.0
     cpus = min(est.worker_cpus, used * workers / running) if used > 0 else est.worker_cpus
     return max(est.batch_s / workers, est.cpu_per_batch_s / cpus)
+
+
+def contended_s(est: Estimate) -> float:
+    """The step's busy time where workers load beside it: never less than the step's work and the loading's
+    (``step_cpus`` x the busy time, plus a batch's CPU time) over the CPUs, in the share of the CPUs the step uses (a
+    fair share: a step that computes on no CPU is not slowed). Contention beyond a fair share is measured, not
+    predicted (``windows.slower_than_before``)."""
+    cpus = est.worker_cpus
+    over = (est.step_cpus * est.busy_s + est.cpu_per_batch_s) / cpus - est.busy_s
+    return est.busy_s + max(0.0, over) * min(1.0, est.step_cpus / cpus)
 
 
 def start_s(

@@ -284,9 +284,11 @@ class TuningState:
         budget: Budget,
         step: int,
         failed: Sequence[LoaderSettings] = (),
+        ranks: Sequence[float] = (),
     ) -> Decision | None:
         """Record the window's trial with ``decision`` and act on it: a new target, settled or held. Returns the
-        decision when the loader must change (``"try"``/``"settle"``), else ``None``."""
+        decision when the loader must change (``"try"``/``"settle"``), else ``None``. ``ranks``: each rank's stall in
+        the window (a distributed run's; ``stats`` is the most stalled rank's), kept on the trial."""
         assert self.current is not None
         self._budget = budget
         self._cached_entry = None
@@ -296,10 +298,10 @@ class TuningState:
             return self._failed_on_a_rank(decision, budget, step, failed)
         if decision is None:
             if not self.done:  # observing or disabled: the window is recorded as it was
-                self.trials.append(Trial(self.current, stats))
+                self.trials.append(Trial(self.current, stats, ranks=tuple(ranks)))
             return None
         text = decision_text(decision)
-        judged = Trial(self.current, self.judged(stats), decision.failed, text, decision.rule)
+        judged = Trial(self.current, self.judged(stats), decision.failed, text, decision.rule, tuple(ranks))
         self.trials.append(judged)
         self._probing_memory = decision.action == "try" and decision.probe_memory
         if decision.failed is not None:  # only the memory budget fails a config by decision

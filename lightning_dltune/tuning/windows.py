@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from lightning_dltune._stats import few
 from lightning_dltune.measurement.measure import WindowStats
-from lightning_dltune.tuning.compare import faster_by, won_over_start
+from lightning_dltune.tuning.compare import every_step_slower, faster_by, won_over_start
 from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate, host_busy
 
 
@@ -102,6 +102,15 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy(), budg
     )
 
 
+def slower_than_before(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
+    """Every step of the last window, after ``sign_steps`` steps, was slower per sample than the config it left
+    (:func:`~lightning_dltune.tuning.compare.every_step_slower`): a trial that is plainly worse ends at once."""
+    usable = [t for t in trials if t.usable]
+    if len(usable) < 2 or usable[-1] is not trials[-1] or usable[-2].settings == trials[-1].settings:
+        return False
+    return every_step_slower(trials[-1], usable[-2], policy)
+
+
 WindowRule = Callable[[Sequence[Trial], Policy, "Budget | None"], bool]
 # the reasons to judge a window before ``min_steps`` or its epoch's end, in the order they are asked
 JUDGED_EARLY: tuple[WindowRule, ...] = (
@@ -109,6 +118,7 @@ JUDGED_EARLY: tuple[WindowRule, ...] = (
     stalled_from_the_start,
     sized_on_a_longer_step,
     stalls_with_workers,
+    slower_than_before,
 )
 
 
