@@ -438,3 +438,29 @@ def test_cpu_seconds_count_live_children_found_through_proc():
         for p in procs:
             p.kill()
             p.join()
+
+
+def test_the_process_cpu_time_of_each_step_is_kept_apart_from_the_loading():
+    """Each step's process CPU time (every thread: a step on 2 intra-op threads takes 2 s of CPU a second) is read
+    around the step alone, not the loading's; without the clock it reads 0.0."""
+    from lightning_dltune.tuning.model import step_cpus
+
+    clock = FakeClock()
+    process = [0.0]
+    timer = StepTimer(clock=clock, cpu_clock=lambda: clock.cpu, step_cpu_clock=lambda: process[0])
+    timer.epoch_started()
+    for _ in range(5):
+        timer.fetch_started()
+        clock.advance(0.024, 0.024)
+        process[0] += 0.024  # loading, in the training process: not the step's
+        timer.fetch_ended()
+        timer.step_started()
+        clock.advance(0.020)
+        process[0] += 0.040  # the step computes on 2 CPUs
+        timer.step_ended(16)
+    stats = timer.take_window()
+    assert stats.step_cpu_s == pytest.approx(5 * 0.040)
+    assert step_cpus(stats) == pytest.approx(2.0)
+    plain = StepTimer(clock=clock, cpu_clock=lambda: clock.cpu)
+    run_steps(plain, clock, [(0.030, 0.002, 0.010, 0.001)] * 3)
+    assert plain.take_window().step_cpu_s == 0.0

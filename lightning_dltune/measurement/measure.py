@@ -67,6 +67,7 @@ class WindowStats:
     fetch_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
     main_cpu_s: float = 0.0
+    step_cpu_s: float = 0.0  # the training process's CPU time, all its threads, during its steps (0.0: not measured)
     startup_s: float = 0.0
     build_s: float = 0.0  # of startup_s, building the loader and starting its workers (in the training process)
     startup_behind: int = 0  # 1: started in the background; startup_s is what its overlap cost beyond the old pace
@@ -248,7 +249,7 @@ class _Accumulator:
     def reset(self) -> None:
         self.steps = 0
         self.samples = 0
-        self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = 0.0
+        self.wall = self.wait = self.step = self.other = self.excluded = self.fetch_cpu = self.step_cpu = 0.0
         self.startup = self.build = self.startup_wait = self.startup_busy = self.startup_fetch_cpu = 0.0
         self.startup_step_samples = 0
         self.startup_samples: list[float] = []
@@ -261,7 +262,9 @@ class _Accumulator:
         self._waits: deque[float] = deque(maxlen=self.tail_size)
         self._walls: deque[float] = deque(maxlen=self.tail_size)
 
-    def add(self, wait: float, step: float, other: float, samples: int, fetch_cpu: float) -> None:
+    def add(
+        self, wait: float, step: float, other: float, samples: int, fetch_cpu: float, step_cpu: float = 0.0
+    ) -> None:
         wall = wait + step + other
         self.steps += 1
         self.samples += samples
@@ -270,6 +273,7 @@ class _Accumulator:
         self.step += step
         self.other += other
         self.fetch_cpu += fetch_cpu
+        self.step_cpu += step_cpu
         if not self.spread:  # sums only (a logging window): this runs on every step
             return
         busy = step + other
@@ -326,6 +330,7 @@ class _Accumulator:
             wait_min_s=self.wait_min if self.wait_min < math.inf else 0.0,
             sample_wall_min_s=self.sample_wall_min if self.sample_wall_min < math.inf else 0.0,
             fetch_cpu_s=self.fetch_cpu,
+            step_cpu_s=self.step_cpu,
             startup_s=self.startup,
             build_s=self.build,
             startup_behind=self.behind,
@@ -367,6 +372,8 @@ class StepTimer:
         clock: wall clock in seconds (default :func:`time.perf_counter`).
         cpu_clock: CPU time of the calling thread in seconds (default :func:`time.thread_time`); it prices the
             loading work done in the main process when there are no workers.
+        step_cpu_clock: CPU time of the whole process (every thread) in seconds, read around each step: what the
+            step computes on the CPUs (:func:`time.process_time`; ``None``: not measured).
         tail_size: how many recent per-step waits feed the p50/p90 estimates (6 or more).
     """
 
@@ -375,11 +382,14 @@ class StepTimer:
         clock: Clock = time.perf_counter,
         cpu_clock: Clock = time.thread_time,
         tail_size: int = _TAIL_SIZE,
+        step_cpu_clock: Clock | None = None,
     ) -> None:
         if tail_size < 6:  # a window's first steps are its errors' own values (see _Accumulator._block_sem)
             raise ValueError(f"StepTimer(tail_size={tail_size}): it must be 6 or more; leave it at its default")
         self._clock = clock
         self._cpu_clock = cpu_clock
+        self._step_cpu_clock = step_cpu_clock
+        self._step_c0 = 0.0
         self._window = _Accumulator(tail_size)
         self._log = _Accumulator(tail_size, spread=False)  # logged: sums only, over every step
         self._ref: float | None = None
@@ -487,12 +497,14 @@ class StepTimer:
     def step_started(self) -> None:
         now = self._clock()
         self._step_t0 = now
+        self._step_c0 = self._step_cpu_clock() if self._step_cpu_clock is not None else 0.0
         self._gap = (now - self._ref) if self._ref is not None else self._wait
 
     def step_ended(self, samples: int) -> None:
         if self._step_t0 is None:
             return
         now = self._clock()
+        cpu = self._step_cpu_clock() - self._step_c0 if self._step_cpu_clock is not None else 0.0
         self._batches += 1
         step = now - self._step_t0
         wait = self._wait
@@ -510,8 +522,8 @@ class StepTimer:
             self._overlap[1] += 1
             self._log.add(wait, step, other, samples, self._fetch_cpu)
         else:
-            self._window.add(wait, step, other, samples, self._fetch_cpu)
-            self._log.add(wait, step, other, samples, self._fetch_cpu)
+            self._window.add(wait, step, other, samples, self._fetch_cpu, cpu)
+            self._log.add(wait, step, other, samples, self._fetch_cpu, cpu)
         self._ref = now
         self._clear_gap()
 

@@ -275,7 +275,7 @@ class Probe:
 
     Args:
         worker_pids: the PIDs of the running train loader's workers (asked by the memory readings).
-        clock, cpu_clock: as for :class:`~lightning_dltune.measurement.measure.StepTimer`.
+        clock, cpu_clock, step_cpu_clock: as for :class:`~lightning_dltune.measurement.measure.StepTimer`.
         cpu_seconds: ``() -> (this process, its children)`` CPU seconds.
         memory_of: ``(pids) -> [bytes]``, each worker's unique memory.
         footprint: ``() -> bytes`` this process holds (what a forked worker can come to hold).
@@ -288,16 +288,17 @@ class Probe:
         clock: Clock = time.perf_counter,
         cpu_clock: Clock = time.thread_time,
         cpu_seconds: Callable[[], tuple[float, float]] = process_cpu_seconds,
+        step_cpu_clock: Clock | None = time.process_time,
         memory_of: Callable[[list[int]], list[float]] = worker_uss,
         footprint: Callable[[], float] = own_footprint,
         memory_interval_s: float = 0.25,
     ) -> None:
-        self._clock, self._cpu_clock = clock, cpu_clock
+        self._clock, self._cpu_clock, self._step_cpu_clock = clock, cpu_clock, step_cpu_clock
         self._cpu_seconds = cpu_seconds
         self.memory = MemoryWatch(worker_pids, memory_interval_s, memory_of, clock)
         self._footprint = footprint
         self.epoch_batches = 0.0
-        self.timer = StepTimer(clock, cpu_clock)
+        self.timer = StepTimer(clock, cpu_clock, step_cpu_clock=step_cpu_clock)
         self.gpu: gpu.GpuTimeline | None = None
         self.nvml: Any = None
         self._nvml_metrics: dict[str, float] = {}
@@ -309,7 +310,7 @@ class Probe:
 
     def start(self, device: Any, log_gpu: bool = True) -> None:
         """A new ``fit`` on ``device``: fresh windows; on CUDA a GPU timeline and (``log_gpu``) NVML sampling."""
-        self.timer = StepTimer(self._clock, self._cpu_clock)
+        self.timer = StepTimer(self._clock, self._cpu_clock, step_cpu_clock=self._step_cpu_clock)
         self._paused, self._cpu_paused = 0, None
         self.gpu = gpu.timeline_for(device)
         self._cpu0 = self._batch_bytes = None

@@ -213,8 +213,11 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
 
 
 def step_cpus(s: WindowStats) -> float:
-    """The CPUs the training process uses while it is busy (its step and the host work between steps): its CPU time
-    less what loading took in it, over its busy time; 0 where its CPU time was not measured."""
+    """The CPUs the training process uses while it steps: its CPU time during its steps over their time, where that
+    was measured (``step_cpu_s``); else its CPU time over the window less what loading took in it, over its busy
+    time (that also holds what is not its steps', such as forking workers); 0 where neither was measured."""
+    if s.step_cpu_s > 0 and s.step_s > 0:
+        return s.step_cpu_s / s.step_s
     busy = s.step_s + s.other_s
     if s.main_cpu_s <= 0 or busy <= 0:
         return 0.0
