@@ -92,34 +92,39 @@ def scalars(log_dir, tag):
 
 
 def count_rules_fired():
-    """Count each rule that fires from now on, in this process: a ``Decision`` made under a rule's name, and each
-    entry of ``windows.JUDGED_EARLY``, ``windows.RUNS_ON`` and ``diagnose.DIAGNOSES`` that holds. Returns the live
-    ``Counter`` (rule name -> times fired)."""
+    """Count each rule that fires from now on, in this process: the rule of each decision ``decide``,
+    ``enforce_memory`` and ``verify_cached`` return and of each trial ``TuningState.fail`` records (a decision
+    replaced by a settle override counts under the override), and each entry of ``windows.JUDGED_EARLY``,
+    ``windows.RUNS_ON`` and ``diagnose.DIAGNOSES`` that holds. Returns the live ``Counter`` (rule name -> times)."""
     import collections
     import functools
 
-    from lightning_dltune.tuning import diagnose, model, state, windows
+    from lightning_dltune.tuning import diagnose, rules, state, windows
 
     fired = collections.Counter()
-    init = model.Decision.__init__
 
-    def counted_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if self.rule:
-            fired[self.rule] += 1
-
-    model.Decision.__init__ = counted_init
-
-    def counted(rule):
+    def counted(rule, name=None):
         @functools.wraps(rule)
         def wrapper(*args, **kwargs):
             result = rule(*args, **kwargs)
             if result:
-                fired[rule.__name__] += 1
+                fired[name or getattr(result, "rule", None) or rule.__name__] += 1
             return result
 
         return wrapper
 
+    for name in ("decide", "enforce_memory", "verify_cached"):
+        wrapped = counted(getattr(rules, name))
+        setattr(rules, name, wrapped)
+        setattr(state, name, wrapped)
+    fail = state.TuningState.fail
+
+    def counted_fail(self, *args, **kwargs):
+        result = fail(self, *args, **kwargs)
+        fired["config_failed"] += 1
+        return result
+
+    state.TuningState.fail = counted_fail
     windows.JUDGED_EARLY = tuple(map(counted, windows.JUDGED_EARLY))
     windows.RUNS_ON = state.RUNS_ON = tuple(map(counted, windows.RUNS_ON))
     diagnose.DIAGNOSES = tuple(map(counted, diagnose.DIAGNOSES))

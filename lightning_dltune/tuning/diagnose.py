@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -21,7 +22,6 @@ from lightning_dltune.tuning.model import (
     bursty,
     estimate,
     handover_s,
-    host_busy,
     life_batches,
     step_cpus,
     worker_cap,
@@ -256,15 +256,15 @@ def held_by_shm(r: Reading) -> str | None:
 
 
 def workers_contend(r: Reading) -> str | None:
-    """The training step computes on the CPUs the workers need: a trial with workers made the step longer beyond
-    noise, and the run settled on fewer workers."""
+    """The training step computes on the CPUs the workers need (``step_cpu_min`` or more): a trial with workers made
+    the step (its busy time, as at 0 workers) longer beyond noise, and the run settled on fewer workers."""
     start, settled = r.start, r.settled
     k = step_cpus(start.stats)
-    if start.settings.num_workers != 0 or k <= 0:
+    if start.settings.num_workers != 0 or k < r.policy.step_cpu_min:
         return None
-    cpus, busy0 = r.budget.cpus, host_busy(start)
+    cpus, (busy0, sem0) = r.budget.cpus, busy_per_step(start.stats)
     slowed = [(t, busy_per_step(t.stats)) for t in r.more if t.settings.num_workers > settled.num_workers]
-    slowed = [(t, b) for t, b in slowed if b[0] > busy0 * (1 + r.policy.min_gain) + 2 * b[1]]
+    slowed = [(t, b) for t, b in slowed if b[0] > busy0 * (1 + r.policy.min_gain) + 2 * math.hypot(b[1], sem0)]
     if not slowed:
         return None
     t, (busy, _) = max(slowed, key=lambda tb: tb[1][0])

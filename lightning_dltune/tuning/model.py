@@ -89,6 +89,8 @@ class Policy:
     cpu_wait_share: float = 0.5
     # host work between steps bounds training (``host_bound``) only from this much per step
     host_work_min_s: float = 2e-3
+    # the training step computes on the CPUs (``workers_contend``) where it uses at least this many of them
+    step_cpu_min: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -572,9 +572,10 @@ def verify_cached(entry: dict[str, Any], trial: Trial, budget: Budget, policy: P
         return None
     if settings.num_workers > budget.max_workers or (settings.prefetch_factor or 0) > budget.max_prefetch:
         return None
-    if budget.memory_bytes is not None:
-        held = predict(settings, estimate([trial], budget, policy), [trial], policy).memory_bytes
-        if held > budget.memory_bytes:
+    if budget.memory_bytes is not None:  # what this window's workers were read to hold (no prior: a reading)
+        flight = memory.in_flight_bytes(s.batch_bytes, settings.prefetch_factor, settings.pin_memory)
+        life = life_batches(settings, s.epoch_batches)
+        if memory.total_bytes(s.worker_memory, settings.num_workers, life, None, flight) > budget.memory_bytes:
             return None
     cached = entry.get("samples_per_s")
     than = f", cached {float(cached):.0f}" if isinstance(cached, (int, float)) else ""

@@ -103,12 +103,13 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy(), budg
 
 
 def slower_than_before(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
-    """Every step of the last window, after ``sign_steps`` steps, was slower per sample than the config it left
+    """Every step of the last window, after twice ``sign_steps`` steps, was slower per sample than the config it left
     (:func:`~lightning_dltune.tuning.compare.every_step_slower`): a trial that is plainly worse ends at once."""
     usable = [t for t in trials if t.usable]
     if len(usable) < 2 or usable[-1] is not trials[-1] or usable[-2].settings == trials[-1].settings:
         return False
-    return every_step_slower(trials[-1], usable[-2], policy)
+    # twice the sign test's steps: a new loader's first steps can be slowed while its workers fill their prefetch
+    return trials[-1].stats.steps >= 2 * policy.sign_steps and every_step_slower(trials[-1], usable[-2], policy)
 
 
 WindowRule = Callable[[Sequence[Trial], Policy, "Budget | None"], bool]
