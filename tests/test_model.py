@@ -73,3 +73,10 @@ def test_a_step_that_computes_on_the_cpus_is_stretched_to_a_fair_share_where_loa
     # a step on 1 CPU: 44 ms of work, 2 ms beyond the step, in half the CPUs; a step on none is not slowed
     assert contended_s(estimate([stepping_on(CPU_STEP, 1.0)], BUDGET)) == pytest.approx(0.020 + 0.002 * 0.5)
     assert contended_s(estimate([stepping_on(CPU_STEP, 0.0)], BUDGET)) == pytest.approx(0.020)
+
+
+def test_a_loader_waiting_on_i_o_is_paced_by_its_batch_time_not_its_workers_cpu_share():
+    # 8 workers that use 0.5 ms of CPU a 30 ms step (storage-bound): 16 are paced by the 160 ms batch, 10 ms; the
+    # running workers' CPU share (1/60 of a CPU, doubled) would read 15 ms
+    trials = [START, trial(8, 20, 10, worker_cpu_ms=0.5)]
+    assert predict(cfg(16), estimate(trials, BUDGET), trials).step_s == pytest.approx(0.010)

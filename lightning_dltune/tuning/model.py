@@ -449,7 +449,7 @@ def predict(
         step = est.busy_s + est.batch_s
     else:
         hand = handover_s(trials, policy) if was.num_workers == 0 else 0.0
-        step = max(est.busy_s + hand, pace_s(est, base, w), contended_s(est))
+        step = max(est.busy_s + hand, pace_s(est, base, w, policy), contended_s(est))
     flight = memory.in_flight_bytes(est.batch_bytes, cand.prefetch_factor, cand.pin_memory)
     held = memory.total_bytes(est.memory, w, est.mem_life_batches, est.mem_ceiling_bytes or None, flight)
     return Prediction(
@@ -461,11 +461,13 @@ def predict(
     )
 
 
-def pace_s(est: Estimate, base: Trial, workers: int) -> float:
+def pace_s(est: Estimate, base: Trial, workers: int, policy: Policy = Policy()) -> float:
     """How often ``workers`` workers deliver a batch: a batch's time over the workers, or its CPU time over the CPUs
     they get, whichever is longer. They get the CPUs ``base``'s workers used, in proportion to their count, within
     the budget's (the OS shares the CPUs among runnable threads, the training process's among them); the budget's
     where ``base`` ran none."""
+    if est.cpu_per_batch_s <= policy.io_cpu_share * est.batch_s:  # waiting on I/O: the CPUs do not set its pace
+        return est.batch_s / workers
     s, running = base.stats, base.settings.num_workers
     used = s.worker_cpu_s / s.wall_s if running and s.wall_s > 0 else 0.0
     cpus = min(est.worker_cpus, used * workers / running) if used > 0 else est.worker_cpus
