@@ -49,7 +49,6 @@ class Agreement:
     def __init__(self, strategy: Any = None) -> None:
         self.strategy = strategy
         self.budget: Budget | None = None
-        self.stall_spread: float | None = None
         self.rank_stalls: list[float] = []
         self.failures: list[LoaderSettings] = []
 
@@ -92,7 +91,6 @@ class Agreement:
         for name in _MAX_FIELDS:
             values[name] = float(table[:, col(name)].max())
         self.rank_stalls = [float(x) for x in stall]
-        self.stall_spread = float(stall.max() - stall.min())
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
         self.failures = list(dict.fromkeys(f for r in table[:, n + 4 :].tolist() if (f := _decode(r)) is not None))
@@ -126,12 +124,14 @@ class Agreement:
     def spread(self, stall: float) -> float | None:
         """Max minus min of ``stall`` over the ranks (``None`` in a single process); kept in ``stall_spread``, and
         every rank's in ``rank_stalls``."""
-        if not self.distributed:
-            return self.stall_spread
-        stalls = self.strategy.all_gather(self._tensor([stall])).reshape(-1)
-        self.rank_stalls = [float(x) for x in stalls]
-        self.stall_spread = float(stalls.max() - stalls.min())
+        if self.distributed:
+            self.rank_stalls = [float(x) for x in self.strategy.all_gather(self._tensor([stall])).reshape(-1)]
         return self.stall_spread
+
+    @property
+    def stall_spread(self) -> float | None:
+        """Max minus min of :attr:`rank_stalls` (``None`` before they were gathered, and in a single process)."""
+        return max(self.rank_stalls) - min(self.rank_stalls) if self.rank_stalls else None
 
 
 def _encode(settings: LoaderSettings | None) -> list[float]:

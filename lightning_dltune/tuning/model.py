@@ -162,6 +162,7 @@ class Estimate:
     mem_life_batches: float = math.inf
     mem_ceiling_bytes: float = 0.0  # what this process holds (not file-backed): a worker's most
     step_cpus: float = 0.0  # the CPUs the training process uses while it steps (:func:`step_cpus`)
+    waits_on_io: bool = False  # a batch's CPU time is under ``Policy.io_cpu_share`` of its time: the CPUs set no cap
 
     @property
     def cpu_bound(self) -> bool:
@@ -197,7 +198,8 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
     # workers may use every CPU of the budget: the OS shares them with the training process (docs/how-it-decides.md)
     worker_cpus = max(1.0, budget.cpus)
     needed = math.ceil(policy.headroom * sized / busy) if busy > 0 else budget.max_workers
-    if cpu_per_batch > policy.io_cpu_share * uncontended:
+    on_io = cpu_per_batch <= policy.io_cpu_share * uncontended
+    if not on_io:
         cpu_cap = max(1, math.floor(worker_cpus * uncontended / cpu_per_batch + 1e-9))
     else:  # waiting on I/O: the CPUs do not limit the worker count
         cpu_cap = max(budget.max_workers, needed)
@@ -210,6 +212,7 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         needed_workers=max(1, needed),
         cpu_cap_workers=cpu_cap,
         step_cpus=min(step_cpus(s), worker_cpus),  # the process's CPU time holds more than its steps: at most all
+        waits_on_io=on_io,
     )
     return _with_memory_caps(est, trials, usable, budget, policy)
 
@@ -449,7 +452,7 @@ def predict(
         step = est.busy_s + est.batch_s
     else:
         hand = handover_s(trials, policy) if was.num_workers == 0 else 0.0
-        step = max(est.busy_s + hand, pace_s(est, base, w, policy), contended_s(est))
+        step = max(est.busy_s + hand, pace_s(est, base, w), contended_s(est))
     flight = memory.in_flight_bytes(est.batch_bytes, cand.prefetch_factor, cand.pin_memory)
     held = memory.total_bytes(est.memory, w, est.mem_life_batches, est.mem_ceiling_bytes or None, flight)
     return Prediction(
@@ -461,12 +464,12 @@ def predict(
     )
 
 
-def pace_s(est: Estimate, base: Trial, workers: int, policy: Policy = Policy()) -> float:
+def pace_s(est: Estimate, base: Trial, workers: int) -> float:
     """How often ``workers`` workers deliver a batch: a batch's time over the workers, or its CPU time over the CPUs
     they get, whichever is longer. They get the CPUs ``base``'s workers used, in proportion to their count, within
     the budget's (the OS shares the CPUs among runnable threads, the training process's among them); the budget's
     where ``base`` ran none."""
-    if est.cpu_per_batch_s <= policy.io_cpu_share * est.batch_s:  # waiting on I/O: the CPUs do not set its pace
+    if est.waits_on_io:  # the CPUs do not set its pace
         return est.batch_s / workers
     s, running = base.stats, base.settings.num_workers
     used = s.worker_cpu_s / s.wall_s if running and s.wall_s > 0 else 0.0
