@@ -12,6 +12,7 @@ from lightning_dltune.tuning.memory import (
     WorkerMemory,
     fit,
     in_flight_bytes,
+    lead_bytes,
     max_workers,
     over_budget,
     safe_workers,
@@ -19,7 +20,7 @@ from lightning_dltune.tuning.memory import (
     worker_bytes,
 )
 from lightning_dltune.tuning.model import Budget, Policy, estimate
-from lightning_dltune.tuning.rules import decide
+from lightning_dltune.tuning.rules import decide, enforce_memory
 from lightning_dltune.tuning.state import TuningState
 
 from test_decide import cfg, trial, with_mem
@@ -187,6 +188,25 @@ def test_over_budget_goes_down_at_once_and_the_config_is_never_tried_again():
     assert "numpy arrays" in diagnose(state.trials, cfg(2), MEM)
 
 
+def test_workers_under_the_budget_by_less_than_they_grow_before_they_stop_go_down_before_crossing_it():
+    from dataclasses import replace
+
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    # 6 workers read at 585 MiB together, growing 3 MiB per batch: before a switch down stops them, each loads a
+    # batch and the next step takes one (7 batches, 21 MiB): they would cross the 600 MiB budget
+    near = with_mem(trial(6, 20, 10, steps=3), 97.5, growth_mib=3.0, main_mib=250, epoch=600)
+    near = replace(near, stats=replace(near.stats, worker_mem_lead_bytes=lead_bytes(3.0 * MiB, 6)))
+    assert near.stats.worker_mem_lead_bytes == 21 * MiB
+    decision = enforce_memory([start, near], MEM)
+    assert decision is not None and decision.failed and decision.settings.num_workers < 6
+    assert "was about to go over the memory budget (585 MiB of 600 MiB, 21.0 MiB more before its workers stop)" in (
+        decision.reason
+    )
+    # read as far under it: nothing to do
+    far = replace(near, stats=replace(near.stats, worker_mem_lead_bytes=lead_bytes(1.0 * MiB, 6)))
+    assert enforce_memory([start, far], MEM) is None
+
+
 def test_over_budget_after_settling_settles_lower():
     state = TuningState()
     state.current = cfg(0)
@@ -245,27 +265,32 @@ def test_the_watch_counts_batches_per_worker_set_and_windows_apart():
 def test_a_few_workers_read_stand_for_all_and_a_window_closing_without_a_reading_reads_two_in_the_open():
     pids = list(range(16))
     sizes = {p: (10 + p) * MiB for p in pids}
-    read: list[list[int]] = []
+    read: list[int] = []  # every worker read, in order (each is read on its own)
 
     def reader(ps):
-        read.append(list(ps))
+        read.extend(ps)
         return [sizes[p] for p in ps]
 
     watch = MemoryWatch(lambda: pids, read=reader)
     mem = watch.take()  # no reading from the thread in this window: the training process reads, briefly
-    assert read == [[0, 1]] and mem.samples == 1
+    assert read == [0, 1] and mem.samples == 1
     assert mem.peak_total_bytes == pytest.approx(16 * 10.5 * MiB)  # 16 workers at the mean of the two read
     watch.take()
-    assert read[-1] == [2, 3]  # the next few in turn: the largest worker is read too, over time
-    assert watch.sample().workers == 16 and read[-1] == pids  # all of them, asked for all
+    assert read[-2:] == [2, 3]  # the next few in turn: each worker is read, over time
+    # the total is each worker's latest reading: 0-3 as read, the 12 never read at the mean of 2 and 3
+    assert watch.latest is None and watch._newest.total_bytes == pytest.approx((10 + 11 + 12 + 13 + 12 * 12.5) * MiB)
+    assert watch.sample().workers == 16 and read[-16:] == pids  # all of them, asked for all
+    assert watch.latest.total_bytes == sum(sizes.values())
     watch.take()
-    assert len(read) == 3  # the window had the thread's reading
+    assert len(read) == 20  # the window had the thread's reading
     watch.take(
         decision_waits=False
     )  # no decision waits on it (tuning ended): the latest reading of the same workers stands
-    assert len(read) == 3 and watch.take(decision_waits=True).samples == 1 and read[-1] == [4, 5]
+    sizes[4] += 16 * MiB  # one worker grew: read with one other, it is counted alone, the rest as last read
+    assert len(read) == 20 and watch.take(decision_waits=True).samples == 1 and read[-2:] == [4, 5]
+    assert watch._newest.total_bytes == sum(sizes.values())
     pids[:] = [1, 2, 3]  # other workers: read, fresh or not
-    assert watch.take(decision_waits=False).samples == 1 and read[-1] == [1, 2]
+    assert watch.take(decision_waits=False).samples == 1 and read[-2:] == [1, 2]
 
 
 def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_batch_taken():
@@ -288,15 +313,18 @@ def test_the_budget_check_grows_the_latest_reading_by_the_measured_growth_per_ba
     for _ in range(10):  # 10 batches later, not read again: 10 MiB more is counted
         watch.batch_taken()
     assert probe.held_bytes(settings) == pytest.approx(42 * MiB)
-    assert not probe.over_budget(settings, 43 * MiB)
-    assert watch.pressure == pytest.approx(42 / 43)  # what the readings' pace follows
+    # before a switch down stops them, the 2 workers load a batch each and the next step takes one: 3 MiB more
+    assert watch.lead_bytes == pytest.approx(3 * MiB)
+    assert not probe.over_budget(settings, 46 * MiB)
+    assert watch.pressure == pytest.approx(42 / 46)  # what the readings' pace follows
     sizes[11] += 5 * MiB
-    sizes[12] += 5 * MiB  # they did grow: the estimate crosses a 41 MiB budget, a reading now confirms it
-    assert probe.over_budget(settings, 41 * MiB) and watch.latest.total_bytes == 42 * MiB
-    for _ in range(10):  # the estimate says 52 MiB, but they stopped growing: read now, not over 45 MiB
+    sizes[12] += 5 * MiB  # they did grow: the estimate crosses a 44 MiB budget, a reading now confirms it: 42 MiB
+    # read under the budget, but not by what they grow before they stop: left before a reading crosses it
+    assert probe.over_budget(settings, 44 * MiB) and watch.latest.total_bytes == 42 * MiB
+    for _ in range(10):  # the estimate says 52 MiB, but they stopped growing: read now, not over 46 MiB
         watch.batch_taken()
-    assert probe.held_bytes(settings) > 45 * MiB
-    assert not probe.over_budget(settings, 45 * MiB) and watch.latest.total_bytes == 42 * MiB
+    assert probe.held_bytes(settings) > 46 * MiB
+    assert not probe.over_budget(settings, 46 * MiB) and watch.latest.total_bytes == 42 * MiB
     for _ in range(100):  # no worker is counted past what the training process holds (40 MiB each)
         watch.batch_taken()
     assert probe.held_bytes(settings) == pytest.approx(80 * MiB)

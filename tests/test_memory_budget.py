@@ -70,12 +70,12 @@ def test_many_python_objects_stay_within_the_memory_budget_and_train_exactly(tmp
     assert not any(measuring for w, measuring in spy.seen if w > probe), spy.seen
     growth = max(t.stats.worker_mem_growth_bytes for t in worked)
     assert growth > 0, "the workers' copy-on-read growth was measured"
-    # The bound: the budget, plus half of what one window (20 batches of 16 samples) can copy: the error of the
-    # growth the check at each step adds to the latest reading. Workers predicted to outgrow the budget are not
-    # settled on, and old workers stop before new ones start (tested in test_in_epoch). Before the check counted
-    # the growth since the latest reading, settled workers grew 20-27 MiB past it between two readings.
-    window_growth = 20 * 16 * dataset.bytes_per_sample()
-    assert watch.peak <= budget + 0.5 * window_growth, (watch.peak / MiB, [t.decision for t in tuner.trials])
+    # The bound: the issue's 1.05x of the budget. Workers predicted to outgrow the budget are not settled on, old
+    # workers stop before new ones start (tested in test_in_epoch), and the check at each step leaves the running
+    # ones before a reading crosses the budget (their latest reading, grown since, plus what they grow before they
+    # stop). Before the readings were summed worker by worker and paced by the growth per batch, settled workers
+    # went 1.12x past it between two readings.
+    assert watch.peak <= 1.05 * budget, (watch.peak / MiB, [t.decision for t in tuner.trials])
     assert max(t.settings.num_workers for t in tuner.trials) >= 2, [
         (t.settings.describe(), t.stats.steps, t.stats.worker_memory, t.decision) for t in tuner.trials
     ]  # and the budget was used, not avoided

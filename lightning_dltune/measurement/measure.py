@@ -90,6 +90,7 @@ class WindowStats:
     worker_mem_growth_bytes: float = 0.0  # what a worker's USS grows per batch it loads (copy-on-read), fitted
     worker_mem_jump_bytes: float = 0.0  # what a fresh worker copies in its first batches, saturating, fitted
     worker_mem_saturation: float = 0.0  # the batches over which that jump saturates (0: no jump), fitted
+    worker_mem_lead_bytes: float = 0.0  # what the workers grow before a switch down stops them (memory.lead_bytes)
     main_mem_bytes: float = 0.0  # the training process's own footprint (RSS): what a worker can come to hold
     epoch_batches: float = 0.0  # batches in an epoch of the loader (0: unknown, inf: unbounded)
     batch_bytes: float = 0.0  # tensor bytes of one batch
@@ -181,9 +182,11 @@ class WindowStats:
         batch_bytes: float,
         main_mem_bytes: float = 0.0,
         epoch_batches: float = 0.0,
+        lead_bytes: float = 0.0,
     ) -> WindowStats:
         return replace(
             self,
+            worker_mem_lead_bytes=lead_bytes,
             worker_mem_bytes=mem.peak_worker_bytes,
             worker_mem_total_bytes=mem.peak_total_bytes,
             worker_mem_base_bytes=mem.base_bytes,

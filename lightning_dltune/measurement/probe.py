@@ -20,7 +20,15 @@ import torch
 from lightning_dltune._warn import warn_once
 from lightning_dltune.measurement import gpu
 from lightning_dltune.measurement.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.tuning.memory import MemorySample, WorkerMemory, fit, in_flight_bytes, latest_set, slope
+from lightning_dltune.tuning.memory import (
+    MemorySample,
+    WorkerMemory,
+    fit,
+    in_flight_bytes,
+    latest_set,
+    lead_bytes,
+    slope,
+)
 
 
 def worker_uss(pids: list[int]) -> list[float]:
@@ -95,6 +103,7 @@ class MemoryWatch:
         self._samples: list[MemorySample] = []
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
         self._pids: frozenset[int] = frozenset()
+        self._each: dict[int, float] = {}  # each running worker's latest reading
         self._rotation = 0  # where the next partial reading starts among the workers (see sample)
         self._newest: MemorySample | None = None  # the latest reading of any window (of the workers in `_pids`)
         self._set_start = 0
@@ -106,6 +115,7 @@ class MemoryWatch:
         self._recent: list[MemorySample] = []  # the running worker set's latest readings, of any window
         self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
         self._set_rate = 0.0  # ... and per second
+        self._batch_rate = 0.0  # batches taken per second over those readings
         self._fitted_growth = 0.0  # the growth per batch the latest window with enough readings fitted
         self._first_growth = 0.0  # ... and a fresh worker's, at its start (what a jump adds to it, see fit)
         self.budget_bytes: float | None = None  # the memory budget (set by the budget check)
@@ -118,26 +128,32 @@ class MemoryWatch:
         self.batches += 1
 
     def sample(self, most: int | None = None) -> MemorySample | None:
-        """Read the workers now, at most ``most`` of them (they stand for all: each worker's share is taken as the
-        mean of those read); the thread calls this, and a window that saw no reading at its end."""
+        """Read the workers now, at most ``most`` of them; the thread calls this, and a window that saw no reading at
+        its end. The workers' total is the sum of each one's latest reading (workers differ: one may have copied
+        far more than the others), a worker never read counted at the mean of those read now."""
         window, built = self._window, self._built
         pids = self._pids_now()
         read = pids
-        if most is not None and len(pids) > most:  # a different few each time: the largest is seen over time
+        if most is not None and len(pids) > most:  # a different few each time: each is read over time
             with self._lock:
                 first, self._rotation = self._rotation % len(pids), self._rotation + most
             read = (pids[first:] + pids[:first])[:most]
-        sizes = self._read(read) if read else []
+        sizes = {pid: got[0] for pid in read if (got := self._read([pid]))}  # the live ones
         if not sizes:
             return None
-        workers = len(sizes) if read is pids else len(pids)
         batches = self.batches
         with self._lock:
             if frozenset(pids) != self._pids:
                 self._pids, self._set_start = frozenset(pids), batches
-                self._recent, self._set_growth, self._set_rate = [], None, 0.0
-            total = sum(sizes) * workers / len(sizes)
-            reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(sizes))
+                self._recent, self._set_growth, self._set_rate, self._each = [], None, 0.0, {}
+                self._batch_rate = 0.0
+            self._each.update(sizes)
+            mean = sum(sizes.values()) / len(sizes)
+            each = sizes if read is pids else {pid: self._each.get(pid, mean) for pid in pids}
+            workers, total = len(each), sum(each.values())
+            if self.budget_bytes:  # the pace of the next readings follows this one, not the last step's check
+                self.pressure = (total + workers * self.flight_bytes) / self.budget_bytes
+            reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(each.values()))
             self._newest = reading
             self._recent = [*self._recent[-(RECENT_READINGS - 1) :], reading]
             if len(self._recent) == 1 and batches > self._built_at and self._fitted_growth <= 0:
@@ -146,6 +162,7 @@ class MemoryWatch:
             if len(self._recent) >= 2:
                 self._set_growth = slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
                 self._set_rate = slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
+                self._batch_rate = slope([r.t for r in self._recent], [r.batches for r in self._recent]) or 0.0
             if built == self._built:
                 self._held_from = reading, batches
             if window == self._window:
@@ -161,12 +178,19 @@ class MemoryWatch:
 
     @property
     def growth_bytes(self) -> float:
-        """What the running workers grow, all together, per batch taken: over their latest readings (two or more),
-        else as the workers before them (copy-on-read grows per batch loaded, by any set), else, for the first
-        workers read once, at most: all they hold over the batches taken (the reading that a crossing asks for
-        corrects it, see :meth:`Probe.over_budget`)."""
+        """What the running workers grow, all together, per batch taken: the larger of the growth over their latest
+        readings (two or more) and the latest window's fit (of these workers or the ones before them: copy-on-read
+        grows per batch loaded, by any set; two readings alone can read none); for the first workers read once and
+        nothing fitted, at most all they hold over the batches taken (the reading that a crossing asks for corrects
+        it, see :meth:`Probe.over_budget`)."""
         growth = self._set_growth
-        return self._fitted_growth if growth is None else growth
+        return self._fitted_growth if growth is None else max(growth, self._fitted_growth)
+
+    @property
+    def lead_bytes(self) -> float:
+        """What the running workers grow before a switch down decided now stops them (:func:`memory.lead_bytes`)."""
+        held_from = self._held_from
+        return lead_bytes(self.growth_bytes, held_from[0].workers) if held_from is not None else 0.0
 
     def held(self, workers: int | None = None, grown: bool = True) -> float | None:
         """What the running workers hold now, their batches in flight included (``None``: no loader built and nothing
@@ -227,7 +251,7 @@ class MemoryWatch:
             self._built_at = self.batches
             start = MemorySample(self._clock(), 0, workers, 0.0, 0.0)
             self._held_from, self._pids = ((start, self.batches) if workers > 0 else None), frozenset()
-            self._recent, self._set_growth, self._set_rate = [], None, 0.0
+            self._recent, self._set_growth, self._set_rate, self._batch_rate = [], None, 0.0, 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -240,13 +264,14 @@ class MemoryWatch:
         the workers hold under 3/4 of the budget, 10% above that, while :attr:`measuring` (a window that exists
         to fit the workers' growth needs three readings or more: on a busy host at 2% it could get two), and until
         a new loader's workers were read twice (their growth is not known before). Between the two, half the time
-        the workers' growth per second (over their latest readings) takes to reach the budget: a leaking loader,
-        read every 2 s at 2%, reached 380-395 MiB of a 160 MiB budget between two readings."""
+        the workers take to reach the budget, growing per second as their latest readings did, or as
+        :attr:`growth_bytes` per batch at the pace batches were taken between them, whichever is faster."""
         near = max(self.interval_s, self._read_s / CPU_SHARE_NEAR)
         far = max(self.interval_s, self._read_s / CPU_SHARE_FAR)
         if self.pressure >= 0.75 or self.measuring or len(self._recent) < 2:
             return near
-        held, budget, rate = self.held(), self.budget_bytes, self._set_rate
+        held, budget = self.held(), self.budget_bytes
+        rate = max(self._set_rate, self.growth_bytes * self._batch_rate)  # per second
         if held is None or budget is None or rate <= 0:
             return far
         return min(far, max(near, (budget - held) / rate / 2))
@@ -258,10 +283,15 @@ class MemoryWatch:
             return []
 
     def _run(self) -> None:
-        while not self._stop.wait(self.next_interval()):
+        """Reads when :meth:`next_interval` has passed since the last reading, asked again every ``interval_s``: a
+        reading far from the budget must not hold the next one off once the workers near it."""
+        last = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            if time.monotonic() - last < self.next_interval():
+                continue
             t0 = time.perf_counter()
             self.sample(most=THREAD_READ_WORKERS)
-            self._read_s = time.perf_counter() - t0
+            self._read_s, last = time.perf_counter() - t0, time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -458,7 +488,7 @@ class Probe:
     def _with_memory(self, stats: WindowStats, mem: WorkerMemory, batch_bytes: float) -> WindowStats:
         """``stats`` with the window's worker memory and this process's footprint, which is also the most a worker is
         counted to grow to by the check at each step (:attr:`MemoryWatch.ceiling_bytes`)."""
-        stats = stats.with_memory(mem, batch_bytes, self._footprint(), self.epoch_batches)
+        stats = stats.with_memory(mem, batch_bytes, self._footprint(), self.epoch_batches, self.memory.lead_bytes)
         self.memory.ceiling_bytes = stats.main_mem_bytes
         return stats
 
@@ -477,22 +507,25 @@ class Probe:
         return self.memory.held(settings.num_workers, grown) or 0.0
 
     def over_budget(self, settings: Any, budget_bytes: float | None) -> bool:
-        """Whether the workers, grown since their latest reading (:meth:`MemoryWatch.held`), with their batches in
-        flight, hold more than ``budget_bytes``. Where only the growth counted since the reading crosses it, or the
-        reading is of an earlier window, the workers are read now (``SYNC_READ_WORKERS`` of them, in the training
-        process) and that reading decides: a config is left on what its workers were read to hold in the window
-        that judges it, never on the estimate alone."""
+        """Whether the workers, grown since their latest reading (:meth:`MemoryWatch.held`) and by what they grow
+        before a switch down stops them (:attr:`MemoryWatch.lead_bytes`), with their batches in flight, hold more
+        than ``budget_bytes``: they are left before a reading crosses it. Where only the growth counted since the
+        reading crosses it, or the reading is of an earlier window, the workers are read now (``SYNC_READ_WORKERS``
+        of them, in the training process) and that reading decides: a config is left on what its workers were read
+        to hold in the window that judges it, never on the estimate alone."""
         if budget_bytes is None or settings is None:
             return False
+        lead = self.memory.lead_bytes
         held = self.held_bytes(settings)
-        if held > budget_bytes and not (
-            self.memory.newest_in_window and self.held_bytes(settings, grown=False) > budget_bytes
+        if held + lead > budget_bytes and not (
+            self.memory.newest_in_window and self.held_bytes(settings, grown=False) + lead > budget_bytes
         ):
             self.memory.sample(most=SYNC_READ_WORKERS)
             held = self.held_bytes(settings, grown=False)  # the reading just taken (or the latest, if none)
+            lead = self.memory.lead_bytes  # of the growth that reading measured
         self.memory.pressure = held / budget_bytes if budget_bytes else 1.0
         self.memory.budget_bytes = budget_bytes
-        return held > budget_bytes
+        return held > 0 and held + lead > budget_bytes
 
     def skip(self) -> None:
         """Drop the window without judging it (tuning has ended)."""

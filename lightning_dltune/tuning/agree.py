@@ -31,6 +31,7 @@ _MAX_FIELDS = (
     "worker_mem_growth_bytes",
     "worker_mem_jump_bytes",
     "worker_mem_saturation",
+    "worker_mem_lead_bytes",
     "main_mem_bytes",
     "batch_bytes",
 )

@@ -194,11 +194,20 @@ def fits_beside(
     return running_bytes + workers * (mem.base_bytes + in_flight_bytes) <= budget_bytes
 
 
-def over_budget(total_uss: float, workers: int, in_flight_bytes: float, budget_bytes: float | None) -> bool:
-    """Whether the measured workers (and their batches in flight) hold more than the budget."""
+def lead_bytes(growth_per_batch: float, workers: int) -> float:
+    """What ``workers`` growing workers add before a switch down decided now stops them: the batch each is loading,
+    and the batch the next step takes (``growth_per_batch``: all of them together, per batch taken)."""
+    return max(0.0, growth_per_batch) * (workers + 1) if workers > 0 else 0.0
+
+
+def over_budget(
+    total_uss: float, workers: int, in_flight_bytes: float, budget_bytes: float | None, lead: float = 0.0
+) -> bool:
+    """Whether the measured workers (and their batches in flight), grown by ``lead`` (:func:`lead_bytes`), hold
+    more than the budget: they are left before a reading crosses it."""
     if budget_bytes is None or workers <= 0 or total_uss <= 0:
         return False
-    return total_uss + workers * in_flight_bytes > budget_bytes
+    return total_uss + lead + workers * in_flight_bytes > budget_bytes
 
 
 def in_flight_bytes(batch_bytes: float, prefetch: int | None, pin_memory: bool) -> float:

@@ -37,17 +37,19 @@ from lightning_dltune.tuning.windows import judged_early
 def enforce_memory(
     trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), tuning: bool = True
 ) -> Decision | None:
-    """When the last window's workers (with their batches in flight) held more than the memory budget: go down,
-    at once, to the most workers the measured size and growth predict to fit (``"try"`` while ``tuning``, else
-    ``"settle"``); the config left is recorded as failed. ``None`` when within the budget. Checked by
+    """When the last window's workers (with their batches in flight) held more than the memory budget, or would
+    have with what they grow before a switch down stops them (``worker_mem_lead_bytes``): go down, at once, to the
+    most workers the measured size and growth predict to fit (``"try"`` while ``tuning``, else ``"settle"``); the
+    config left is recorded as failed. ``None`` when within the budget. Checked by
     :meth:`~lightning_dltune.tuning.state.TuningState.decide` before :func:`decide`, in every switching phase."""
     if not trials or budget.memory_bytes is None:
         return None
     last = trials[-1]
     s, cur = last.stats, last.settings
     flight = memory.in_flight_bytes(s.batch_bytes, cur.prefetch_factor, cur.pin_memory)
+    lead = s.worker_mem_lead_bytes
     if last.failed is not None or not memory.over_budget(
-        s.worker_mem_total_bytes, cur.num_workers, flight, budget.memory_bytes
+        s.worker_mem_total_bytes, cur.num_workers, flight, budget.memory_bytes, lead
     ):
         return None
     mem, _ = worker_memory(trials, policy)
@@ -56,9 +58,11 @@ def enforce_memory(
     fit = memory.max_workers(mem, budget.memory_bytes, life, ceiling, flight, cur.num_workers - 1)
     cand = cur.with_workers(fit)
     held = s.worker_mem_total_bytes + cur.num_workers * flight
-    over = f"over the memory budget ({held / MiB:.0f} MiB of {budget.memory_bytes / MiB:.0f} MiB)"
+    over = f"over the memory budget ({held / MiB:.0f} MiB of {budget.memory_bytes / MiB:.0f} MiB"
+    over += f", {lead / MiB:.1f} MiB more before its workers stop)" if lead > 0 else ")"
+    went = "went" if held > budget.memory_bytes else "was about to go"
     reason = (
-        f"{cur.describe()} went {over}: {memory.describe_growth(mem, life, cur.num_workers)}; "
+        f"{cur.describe()} {went} {over}: {memory.describe_growth(mem, life, cur.num_workers)}; "
         f"{fit} workers are predicted to fit"
     )
     return Decision("try" if tuning else "settle", cand, reason, failed=over, rule="over_memory_budget")
