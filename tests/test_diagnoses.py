@@ -148,6 +148,16 @@ def test_contention_is_said_where_the_step_measurably_slowed_and_alike_for_readi
     for step_ms, sem_ms in ((49.0, 0.5), (51.0, 2.0)):
         other = [CPU_STEP, trial(2, 5, step_ms, steps=6, busy_sem_ms=sem_ms)]
         assert diagnosed(other, settled, budget)[0] == "workers_contend"
+    # nothing tried: the model expected the step stretched by the loading as long as it is now
+    expected = diagnose([CPU_STEP], cfg(0), budget)
+    assert diagnosed([CPU_STEP], cfg(0), budget)[0] == "workers_contend"
+    assert expected.startswith(
+        "CPU contention expected: the step computes on 2.0 of the 2 CPUs, and loading a batch takes 24.0 ms of CPU "
+        "that the CPUs it leaves idle cannot hold: workers would slow the step about as much as they hide (44 ms a "
+        "step predicted against 44 ms now), so none were tried"
+    ), expected
+    # where the step leaves CPUs idle, the model expected a gain: not contention
+    assert diagnosed([stepping_on(CPU_STEP, 1.0)], cfg(0), budget)[0] != "workers_contend"
     # a step that computes on under half a CPU is not contention
     light = stepping_on(CPU_STEP, 0.2)
     assert diagnosed([light, *trials[1:]], settled, budget)[0] != "workers_contend"

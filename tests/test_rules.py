@@ -91,6 +91,7 @@ CASES = {
         "settle",
         cfg(16),
     ),
+    "workers_would_contend": ([CPU_STEP], BUDGET, {}, "settle", cfg(0)),
     "jump_to_the_model": ([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, {}, "try", cfg(16)),
     # the overrides of a settle
     "settle_within_memory": (
@@ -248,17 +249,22 @@ def test_no_more_workers_where_the_model_s_count_was_measured_already():
     assert "was already measured" in decision.reason
 
 
-def test_a_step_that_computes_on_the_cpus_is_predicted_at_a_fair_share_and_still_tried():
-    """Beside a step that computes on both of the 2 CPUs, workers are predicted at a fair share of them (32 ms a step
-    against 44 at 0 workers) and tried; contention beyond that is measured (``slower_than_before``)."""
+def test_contention_is_expected_before_a_trial_where_the_step_leaves_the_loading_no_idle_cpu():
+    """Beside a step that computes on both of the 2 CPUs in lockstep, the loading delays it by all its CPU time: 2
+    workers are predicted at 44 ms a step against 44 at 0 workers, and not tried. Where the step leaves CPUs idle, or
+    its CPUs were not measured, the model's count is tried."""
     decision = decide([CPU_STEP], BUDGET)
-    assert (decision.rule, decision.action) == ("jump_to_the_model", "try"), decision.reason
-    # over 5 steps the fair share's 12 ms a step (60 ms) does not pay the 2 workers' start (100 ms); without the
-    # step's CPUs counted, 23 ms a step (115 ms) would
-    held = decide([CPU_STEP], BUDGET, remaining_steps=5)
-    assert (held.rule, held.action) == ("start_costs_more", "hold"), held.reason
+    assert (decision.rule, decision.action, decision.settings) == ("workers_would_contend", "settle", cfg(0))
+    assert "computes on 2.0 of the 2 CPUs" in decision.reason and "44.0 ms against 44.0 ms now" in decision.reason
+    one = decide([stepping_on(CPU_STEP, 1.0)], BUDGET)  # the other CPU idle for 20 ms: 4 ms land on the step
+    assert (one.rule, one.action) == ("jump_to_the_model", "try"), one.reason
+    wide = decide([CPU_STEP], Budget(cpus=4.0, max_workers=16))  # 2 idle CPUs hold the loading
+    assert (wide.rule, wide.action) == ("jump_to_the_model", "try"), wide.reason
     unmeasured = replace(CPU_STEP, stats=replace(CPU_STEP.stats, main_cpu_s=0.0))
-    assert decide([unmeasured], BUDGET, remaining_steps=5).action == "try"
+    assert decide([unmeasured], BUDGET).action == "try"
+    # over 4 steps the 20 ms a step the 1 CPU's step saves (80 ms) does not pay the 2 workers' start (100 ms)
+    held = decide([stepping_on(CPU_STEP, 1.0)], BUDGET, remaining_steps=4)
+    assert (held.rule, held.action) == ("start_costs_more", "hold"), held.reason
 
 
 def test_a_slower_trial_ends_after_its_sign_steps_and_the_tuner_goes_back():

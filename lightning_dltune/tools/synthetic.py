@@ -107,13 +107,16 @@ class PythonObjectsDataset(SyntheticDataset):
 
 
 class WorkerMemoryWatch:
-    """The sum of the unique memory (USS) of this process's descendants (a loader's workers), read every
-    ``interval_s`` in a thread, apart from the tuner's own reading: ``peak`` and ``readings`` in bytes."""
+    """The sum of the unique memory (USS) of this process's descendants started inside the ``with`` block (a loader's
+    workers; any alive before it, such as an earlier loader's not yet reaped, are not counted: ``others`` says how
+    many), read every ``interval_s`` in a thread, apart from the tuner's own reading: ``peak`` and ``readings`` in
+    bytes."""
 
     def __init__(self, interval_s: float = 0.25) -> None:
         self.interval_s = interval_s
         self.peak = 0.0
         self.readings: list[float] = []
+        self.others: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -122,6 +125,8 @@ class WorkerMemoryWatch:
         while not self._stop.wait(self.interval_s):
             total = 0.0
             for child in me.children(recursive=True):
+                if child.pid in self.others:
+                    continue
                 try:
                     total += child.memory_full_info().uss
                 except psutil.Error:
@@ -130,6 +135,7 @@ class WorkerMemoryWatch:
             self.peak = max(self.peak, total)
 
     def __enter__(self) -> WorkerMemoryWatch:
+        self.others = {child.pid for child in psutil.Process().children(recursive=True)}
         self._thread.start()
         return self
 

@@ -20,6 +20,8 @@ from lightning_dltune.tuning.model import (
     Trial,
     bound_words,
     bursty,
+    contended_s,
+    contention_eats_the_gain,
     estimate,
     handover_s,
     life_batches,
@@ -257,7 +259,9 @@ def held_by_shm(r: Reading) -> str | None:
 
 def workers_contend(r: Reading) -> str | None:
     """The training step computes on the CPUs the workers need (``step_cpu_min`` or more): a trial with workers made
-    the step (its busy time, as at 0 workers) longer beyond noise, and the run settled on fewer workers."""
+    the step (its busy time, as at 0 workers) longer beyond noise, and the run settled on fewer workers; or, at 0
+    workers and nothing tried, the model predicted the step stretched by the loading as long as it is now
+    (``workers_would_contend``)."""
     start, settled = r.start, r.settled
     k = step_cpus(start.stats)
     if start.settings.num_workers != 0 or k < r.policy.step_cpu_min:
@@ -265,18 +269,27 @@ def workers_contend(r: Reading) -> str | None:
     cpus, (busy0, sem0) = r.budget.cpus, busy_per_step(start.stats)
     slowed = [(t, busy_per_step(t.stats)) for t in r.more if t.settings.num_workers > settled.num_workers]
     slowed = [(t, b) for t, b in slowed if b[0] > busy0 * (1 + r.policy.min_gain) + 2 * math.hypot(b[1], sem0)]
-    if not slowed:
-        return None
-    t, (busy, _) = max(slowed, key=lambda tb: tb[1][0])
-    what = (
-        f"with {t.settings.describe()} the step took {busy / busy0:.1f}x longer ({busy * 1e3:.0f} ms against "
-        f"{busy0 * 1e3:.0f} ms): workers and training share the {cpus:g} CPUs"
-    )
     fix = "give the job more CPUs or make loading cheaper"
     if k > 1:
         threads = f"`torch.set_num_threads(n)` with n under {cpus:g} leaves CPUs to workers"
         fix = f"{threads} (the step computes on {k:.1f}), {fix}"
-    return f"CPU contention: {what}; {fix}."
+    if slowed:
+        t, (busy, _) = max(slowed, key=lambda tb: tb[1][0])
+        what = (
+            f"with {t.settings.describe()} the step took {busy / busy0:.1f}x longer ({busy * 1e3:.0f} ms against "
+            f"{busy0 * 1e3:.0f} ms): workers and training share the {cpus:g} CPUs"
+        )
+        return f"CPU contention: {what}; {fix}."
+    now, est = start.stats.mean_wall_s, r.est
+    hand = handover_s(r.usable, r.policy)
+    if len(r.usable) > 1 or settled.num_workers or not contention_eats_the_gain(est, now, hand, r.policy.min_gain):
+        return None
+    return (
+        f"CPU contention expected: the step computes on {k:.1f} of the {cpus:g} CPUs, and loading a batch takes "
+        f"{est.cpu_per_batch_s * 1e3:.1f} ms of CPU that the CPUs it leaves idle cannot hold: workers would slow "
+        f"the step about as much as they hide ({contended_s(est) * 1e3:.0f} ms a step predicted against "
+        f"{now * 1e3:.0f} ms now), so none were tried; {fix}."
+    )
 
 
 def cpu_bound(r: Reading) -> str | None:

@@ -478,13 +478,22 @@ def pace_s(est: Estimate, base: Trial, workers: int) -> float:
 
 
 def contended_s(est: Estimate) -> float:
-    """The step's busy time where workers load beside it: never less than the step's work and the loading's
-    (``step_cpus`` x the busy time, plus a batch's CPU time) over the CPUs, in the share of the CPUs the step uses (a
-    fair share: a step that computes on no CPU is not slowed). Contention beyond a fair share is measured, not
-    predicted (``windows.slower_than_before``)."""
+    """The step's busy time where workers load beside it. A step that computes on ``step_cpus`` CPUs runs its
+    threads in lockstep (a parallel region waits for its slowest thread): the loading's CPU time a batch that the
+    CPUs the step leaves idle (the rest of the CPUs, for the busy time) cannot hold lands on a CPU one of its threads
+    needs and delays the step by as much, in the share of the time the step computes (``step_cpus``, at most 1: a
+    step that computes on no CPU is not slowed)."""
     cpus = est.worker_cpus
-    over = (est.step_cpus * est.busy_s + est.cpu_per_batch_s) / cpus - est.busy_s
-    return est.busy_s + max(0.0, over) * min(1.0, est.step_cpus / cpus)
+    k = min(est.step_cpus, cpus)
+    excess = est.cpu_per_batch_s - (cpus - k) * est.busy_s
+    return est.busy_s + max(0.0, excess) * min(1.0, k)
+
+
+def contention_eats_the_gain(est: Estimate, now_s: float, hand_s: float, min_gain: float) -> bool:
+    """Whether the step stretched by workers loading beside it (:func:`contended_s`), longer than the step and a
+    worker's hand-over (``hand_s``), is not ``min_gain`` shorter than the step now (``now_s``, its wall time)."""
+    stretched = contended_s(est)
+    return est.step_cpus > 0 and stretched > est.busy_s + hand_s and stretched >= now_s * (1 - min_gain)
 
 
 def start_s(

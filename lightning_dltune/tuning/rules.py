@@ -22,6 +22,8 @@ from lightning_dltune.tuning.model import (
     Trial,
     bound_words,
     bursty,
+    contended_s,
+    contention_eats_the_gain,
     estimate,
     handover_s,
     life_batches,
@@ -335,6 +337,21 @@ def no_more_workers(s: Situation) -> Decision | None:
     return s.settle("no_more_workers", f"no more workers to add within {why}")
 
 
+def workers_would_contend(s: Situation) -> Decision | None:
+    """Where the step computes on the CPUs the workers would load on, and stretched by the loading its idle CPUs
+    cannot hold (:func:`~.model.contended_s`) it is not ``min_gain`` faster than now: settle without a trial."""
+    now = s.last.stats.mean_wall_s
+    if s.w >= s.sized or now <= 0 or not contention_eats_the_gain(s.est, now, s.hand, s.policy.min_gain):
+        return None
+    cand = s.cur.with_workers(s.sized)
+    return s.settle(
+        "workers_would_contend",
+        f"the step computes on {s.est.step_cpus:.1f} of the {s.est.worker_cpus:g} CPUs and loading a batch takes "
+        f"{s.est.cpu_per_batch_s * 1e3:.1f} ms of CPU: with {cand.describe()} the step is predicted to take "
+        f"{contended_s(s.est) * 1e3:.1f} ms against {now * 1e3:.1f} ms now, not {s.policy.min_gain:.0%} faster",
+    )
+
+
 def jump_to_the_model(s: Situation) -> Decision | None:
     """The model's count, within the budgets, is tried next (a smaller one first where a worker's memory was not
     read yet and the count would not fit if each came to hold what this process holds)."""
@@ -376,6 +393,7 @@ RULES: tuple[Rule, ...] = (
     past_the_cpu_cap,
     slow_batches_hold_up,
     no_more_workers,
+    workers_would_contend,
     jump_to_the_model,
 )
 
