@@ -478,14 +478,17 @@ def pace_s(est: Estimate, base: Trial, workers: int) -> float:
 
 
 def contended_s(est: Estimate) -> float:
-    """The step's busy time where workers load beside it. A step that computes on ``step_cpus`` CPUs runs its
-    threads in lockstep (a parallel region waits for its slowest thread): the loading's CPU time a batch that the
-    CPUs the step leaves idle (the rest of the CPUs, for the busy time) cannot hold lands on a CPU one of its threads
-    needs and delays the step by as much, in the share of the time the step computes (``step_cpus``, at most 1: a
-    step that computes on no CPU is not slowed)."""
-    cpus = est.worker_cpus
-    k = min(est.step_cpus, cpus)
-    excess = est.cpu_per_batch_s - (cpus - k) * est.busy_s
+    """The step's busy time where workers load beside it. A step that computes on ``step_cpus`` CPUs runs that many
+    threads, rounded (1.8 CPUs: two threads, each busy most of the time; 1.05: one), in lockstep (a parallel region
+    waits for its slowest thread): the loading's CPU time a batch that the CPUs none of them needs can hold for the
+    busy time is free; the rest lands on a CPU one of its threads needs (a thread's short idle gaps do not hold a
+    worker's batch) and delays the step by as much, in the share of the time the step computes (``step_cpus``, at
+    most 1: a step that computes on no CPU is not slowed)."""
+    cpus, k = est.worker_cpus, min(est.step_cpus, est.worker_cpus)
+    if k <= 0:
+        return est.busy_s
+    idle = max(0.0, cpus - max(k, float(max(1, round(k)))))
+    excess = est.cpu_per_batch_s - idle * est.busy_s
     return est.busy_s + max(0.0, excess) * min(1.0, k)
 
 
