@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -349,19 +348,22 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         running = self.probe.held_bytes(self.state.current)  # before the window's close takes the readings
         stats = self._measured() if not self.state.done else self.probe.memory_only()
         left = remaining_steps(trainer, done)
-        in_epoch = now and not self.agreement.distributed  # where a switch up may start in the background
+        in_epoch = not (ranks := self.agreement.distributed) and now  # where a switch up may start in the background
         in_place = self.switcher.changes_in_place  # a prefetch change restarts nothing, more workers start alone
         choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
         budget = beside(self.budget, self.evals.held_bytes())  # the evaluation loops' persistent workers
-        stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed)
+        stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed, self.state.current)
         failures, stalls = self.agreement.failures, self.agreement.rank_stalls  # no stalls in a single process
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures, stalls)
         self.probe.memory.measuring = self.state.probing_memory
-        if change is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
+        ended, alike = decision is not None and self.state.done, self.switcher.alike  # then each rank its own count
+        settings, everywhere = self.agreement.own_change(change, ended, self.state.current, budget, self.policy, alike)
+        if settings is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings
-            ranks = self.agreement.distributed
-            behind = self.state.starts_behind(change, running, self.probe.batch_bytes, budget, ranks)
-            self.switcher.switch(change.settings, now, is_last_epoch(trainer), bool(failures), behind)
+            behind = change is not None and self.state.starts_behind(
+                change, running, self.probe.batch_bytes, budget, ranks
+            )
+            self.switcher.switch(settings, now, is_last_epoch(trainer), everywhere, behind)
         if decision is not None and self.state.done:
             self._tuning_ended(trainer)
 
@@ -412,13 +414,11 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self._write_report(trainer, self.report)
 
     def _build_report(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        agreed = self.agreement.budget
         extra = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "stall_threshold": self.policy.stall_threshold,
             **{"settled_step": self.settled_step, "cache_hit": self.cache_hit, "world_size": trainer.world_size},
-            "agreed_budget": None if agreed is None else dataclasses.asdict(agreed),
-            "stall_frac_spread": self.stall_spread,
+            **self.agreement.report(),
         }
         return build_report(**self.state.report_content(), budget=self.budget, series=self.view.series, extra=extra)
 

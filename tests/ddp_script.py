@@ -7,6 +7,7 @@ python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the 
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node", each node launched by the test
 python tests/ddp_script.py OUT memory       # 4 workers per rank whose memory grows past the node's budget
+python tests/ddp_script.py OUT ranks        # rank 1 loads at a sixth of rank 0's pace: each rank its own workers
 """
 
 import faulthandler
@@ -30,10 +31,12 @@ class Record(pl.Callback):
     def __init__(self):
         self.by_epoch: dict[int, list[int]] = {}
         self.sampler_epochs = []
+        self.workers: list[int] = []  # the train loader's workers at each epoch's start
 
     def on_train_epoch_start(self, trainer, pl_module):
         sampler = trainer.train_dataloader.batch_sampler.sampler
         self.sampler_epochs.append(sampler.epoch if isinstance(sampler, DistributedSampler) else None)
+        self.workers.append(trainer.train_dataloader.num_workers)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.by_epoch.setdefault(trainer.current_epoch, []).extend(int(i) for i in batch[2])
@@ -109,7 +112,7 @@ def main() -> None:
         strategy="ddp",
         devices=2,
         num_nodes=2 if kind == "node" else 1,
-        max_epochs=4 if kind == "memory" else 3,
+        max_epochs=4 if kind in ("memory", "ranks") else 3,
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
         logger=False,
@@ -124,6 +127,8 @@ def main() -> None:
         dataset: SyntheticDataset = Leaky(length=384)
     elif kind == "single":  # rank 1's samples take twice as long: the ranks differ, and the tuner says which waits
         dataset = SyntheticDataset(length=384, latency_ms=5.0 * (1 + int(os.environ.get("LOCAL_RANK", 0))))
+    elif kind == "ranks":  # rank 1's samples take 6x as long as rank 0's: each rank needs its own count
+        dataset = SyntheticDataset(length=384, latency_ms=1.0 if os.environ.get("LOCAL_RANK", "0") == "0" else 6.0)
     else:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
     validated = kind == "single"  # with a validation set, validated every epoch
@@ -139,6 +144,10 @@ def main() -> None:
         "trials": [t.settings.to_loader_kwargs() for t in tuner.trials],
         "decisions": [t.decision for t in tuner.trials],
         "trial_ranks": [list(t.ranks) for t in tuner.trials],  # each rank's stall, per window
+        "rank_workers": tuner.agreement.rank_workers,  # each rank's own count, once they run their own
+        "alike": tuner.agreement.alike,
+        "running": tuner.state.current.to_loader_kwargs(),  # this rank's settings at the end
+        "workers_per_epoch": record.workers,
         "own_cpus": len(os.sched_getaffinity(0)),
         "agreed_cpus": None if tuner.agreed_budget is None else tuner.agreed_budget.cpus,
         "stall_spread": tuner.stall_spread,

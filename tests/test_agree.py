@@ -163,3 +163,50 @@ def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary(
     trial = replace(Trial(LoaderSettings.normalized(8), stats), ranks=(0.1, 0.9))
     assert trial_from_dict(trial_to_dict(trial)).ranks == (0.1, 0.9)
     assert "0:10% 1:90%" in summary_table([trial], None)
+
+
+class TwoRanksCounts(FakeStrategy):
+    """Gathers each rank's worker count and whether it changes: this rank's (which a ``meta`` tensor cannot show) as
+    ``mine``, the other rank's 8 workers, unchanged."""
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check(tensor)
+        self.calls.append("all_gather")
+        return torch.tensor([self.mine, [8.0, 0.0]], dtype=torch.float64)
+
+
+def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_them():
+    from lightning_dltune.tuning.model import Policy
+    from lightning_dltune.tuning.rules import own_need
+
+    from test_decide import trial
+
+    budget, policy, eight = Budget(cpus=2.0, max_workers=8), Policy(), LoaderSettings.normalized(8)
+    settle = Decision("settle", eight, "sized on rank 1, which waits most")
+    strategy = TwoRanksCounts([])
+    agreement = Agreement(strategy)
+    # this rank's own windows: 16 ms to load a batch against a 10 ms step at 0 workers, no wait with 8
+    agreement.own = [trial(0, 16, 10, fetch_cpu_ms=1), trial(8, 0.1, 10)]
+    need = own_need(agreement.own, budget, policy)
+    assert 1 <= need < 8
+    strategy.mine = [float(need), 1.0]
+    agreement.widest = 0.4  # the ranks' stalls differed beyond the threshold in some window
+    settings, everywhere = agreement.own_change(settle, True, eight, budget, policy, alike=None)
+    assert settings == eight.with_workers(need) and everywhere
+    assert agreement.rank_workers == [need, 8] and agreement.report()["rank_workers"] == [need, 8]
+    # a hold (no loader change) ends tuning too: the same
+    assert agreement.own_change(None, True, eight, budget, policy, alike=None) == (eight.with_workers(need), True)
+    # a loader that needs every rank alike keeps the agreed settings, and says why
+    strategy.mine = [8.0, 0.0]
+    assert agreement.own_change(settle, True, eight, budget, policy, alike="litdata lays") == (eight, False)
+    assert agreement.report()["ranks_alike"] == "litdata lays"
+    assert agreement.own_change(None, True, eight, budget, policy, alike="litdata lays") == (None, False)
+    # ranks whose stalls never differed beyond the threshold run alike
+    agreement.widest = 0.03
+    assert agreement.own_change(settle, True, eight, budget, policy, alike=None) == (eight, False)
+    assert agreement.report()["ranks_alike"] is None
+    # while tuning goes on, a decision is agreed as it is, with no collective
+    calls = len(strategy.calls)
+    trial_decision = Decision("try", eight, "the jump")
+    assert agreement.own_change(trial_decision, False, eight, budget, policy, alike=None) == (eight, False)
+    assert len(strategy.calls) == calls

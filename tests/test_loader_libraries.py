@@ -274,3 +274,22 @@ def test_webdataset_split_by_worker_is_retuned_and_every_epoch_is_exact(tmp_path
     retuned = {w for workers in seen.workers.values() for w in workers} - {0}
     assert retuned, f"the tuner never switched: {[t.decision for t in tuner.trials]}"
     assert {t.settings.num_workers for t in tuner.trials} >= {0, *retuned}
+
+
+class SyntheticStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_the_loaders_that_need_every_rank_alike_say_why():
+    """Each rank of a distributed run may run its own workers (a DistributedSampler splits by rank), except where
+    the loader's layout or state spans the ranks: litdata's chunks, a StatefulDataLoader's state, an iterable stream."""
+    from lightning_dltune.switching.loader import ranks_alike
+
+    assert ranks_alike(DataLoader(SyntheticDataset(length=8), batch_size=4)) is None
+    assert "saved from rank zero only" in ranks_alike(StatefulDataLoader(SyntheticDataset(length=8), batch_size=4))
+    stream = SyntheticStream()
+    assert "stream" in ranks_alike(DataLoader(stream, batch_size=None))
+    # litdata's loader is told by its class (built without data: writing chunks takes a process of its own)
+    streaming = litdata.StreamingDataLoader.__new__(litdata.StreamingDataLoader)
+    assert "world_size x num_workers" in ranks_alike(streaming)

@@ -125,6 +125,22 @@ class _StartUp:
     growing: bool = False
 
 
+def ranks_alike(loader: DataLoader) -> str | None:
+    """Why every rank of a distributed run must build ``loader`` with the same settings (``None``: each rank may run
+    its own count of workers: a ``DistributedSampler`` splits by rank, and Lightning's reload needs only that the
+    ranks reload together)."""
+    if type(loader).__name__ == "StreamingDataLoader":
+        return "litdata lays its chunks out over world_size x num_workers: other counts per rank would repeat or drop"
+    if callable(getattr(loader, "state_dict", None)):
+        return (
+            "a StatefulDataLoader's state is saved from rank zero only, and torchdata checks num_workers where "
+            "another rank loads it"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        return "an IterableDataset may split its stream over every rank's workers together"
+    return None
+
+
 class LoaderSwitcher:
     """Builds, switches and recovers the train loader of one tuner.
 
@@ -165,6 +181,7 @@ class LoaderSwitcher:
         # one process (set at setup): only then is a prefetch change made in place; under DDP every rank must take
         # the same path, and a rank whose change could not be made in place would wait at Lightning's reload barrier
         self.single_process = True
+        self.alike: str | None = None  # why every rank must run the same settings (``ranks_alike``)
         self._guarded: GuardedIterator | None = None  # the guard of the running epoch (reachable after teardown)
         self._startup = _StartUp()
         self._restored = _Restored()
@@ -251,6 +268,7 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
+        self.alike = ranks_alike(loader)
         self._random.next = self._as_untuned(loader)
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
@@ -380,6 +398,7 @@ class LoaderSwitcher:
         ``behind``: the new loader may start in the background while the running one serves a few more batches
         (both worker sets are alive for a while: the caller checked they fit)."""
         assert self.trainer is not None
+        self.state.target = settings  # this rank's own, where ranks differ (``Agreement.own_change``)
         self.aim(settings)
         same = settings == self.state.current and not (everywhere and not now)
         if same or (not everywhere and self._in_place(settings, grow=now or not last_epoch)):  # nothing to build

@@ -18,7 +18,8 @@ import torch
 
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning.model import Budget
+from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial
+from lightning_dltune.tuning.rules import own_need
 
 T = TypeVar("T")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(WindowStats))
@@ -45,6 +46,10 @@ class Agreement:
         budget: the budget last agreed on (the tightest node's), ``None`` before the first decision.
         stall_spread: max minus min stall fraction across ranks at the last decision or log step.
         rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
+        own: this rank's own windows (its settings, its statistics), before the ranks' are reduced to one.
+        widest: the widest spread of the ranks' stalls at a decision.
+        rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
+        alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
     """
 
     def __init__(self, strategy: Any = None) -> None:
@@ -52,6 +57,10 @@ class Agreement:
         self.budget: Budget | None = None
         self.rank_stalls: list[float] = []
         self.failures: list[LoaderSettings] = []
+        self.own: list[Trial] = []
+        self.rank_workers: list[int] = []
+        self.alike: str | None = None
+        self.widest = 0.0  # the widest spread of the ranks' stalls seen
 
     @property
     def distributed(self) -> bool:
@@ -66,10 +75,13 @@ class Agreement:
         budget: Budget,
         choose: Callable[[WindowStats, Budget, list[LoaderSettings]], T],
         failed: LoaderSettings | None = None,
+        running: LoaderSettings | None = None,
     ) -> tuple[WindowStats, Budget, T]:
         """``choose`` on the most stalled rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
         (one that failed on that rank alone since the last decision point), the same on every rank.
-        :attr:`failures` keeps the configs gathered."""
+        :attr:`failures` keeps the configs gathered; :attr:`own` this rank's window on ``running``."""
+        if running is not None and stats.steps:
+            self.own.append(Trial(running, stats))
         self.failures = [] if failed is None else [failed]
         if self.distributed:
             stats, budget = self._reduce(stats, budget, failed)
@@ -92,6 +104,7 @@ class Agreement:
         for name in _MAX_FIELDS:
             values[name] = float(table[:, col(name)].max())
         self.rank_stalls = [float(x) for x in stall]
+        self.widest = max(self.widest, self.stall_spread or 0.0)
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
         self.failures = list(dict.fromkeys(f for r in table[:, n + 4 :].tolist() if (f := _decode(r)) is not None))
@@ -104,6 +117,56 @@ class Agreement:
             shm_bytes=None if tightest[3] == inf else tightest[3],
         )
         return WindowStats(**values), self.budget
+
+    def own_settings(
+        self, agreed: LoaderSettings, running: LoaderSettings, need: int, alike: str | None, threshold: float
+    ) -> tuple[LoaderSettings, bool]:
+        """This rank's settings once tuning ended on ``agreed``, and whether any rank's settings change: fewer
+        workers where its own windows ask for fewer (``need``, :func:`~lightning_dltune.tuning.rules.own_need`) and
+        the ranks' stalls differed by more than ``threshold`` in some window (:attr:`widest`); ``agreed`` where the
+        loader needs every rank alike (``alike``, the reason, kept in :attr:`alike`) or the ranks never differed.
+        Called by every rank at the same decision: each rank's count is gathered (:attr:`rank_workers`)."""
+        differ = self.widest > threshold
+        mine = agreed
+        if alike is None and differ and agreed.num_workers > 0 and need < agreed.num_workers:
+            mine = agreed.with_workers(need)
+        self.alike = alike if differ else None
+        row = self._tensor([float(mine.num_workers), float(mine != running)])
+        table = self.strategy.all_gather(row).reshape(-1, 2).cpu()
+        self.rank_workers = [int(x) for x in table[:, 0].tolist()]
+        return mine, bool(table[:, 1].any())
+
+    def own_change(
+        self,
+        change: Decision | None,
+        ended: bool,
+        running: LoaderSettings | None,
+        budget: Budget,
+        policy: Policy,
+        alike: str | None,
+    ) -> tuple[LoaderSettings | None, bool]:
+        """The settings this rank switches to after an agreed decision (``change``: its loader change, if any;
+        ``ended``: tuning ended with it), and whether every rank must reload (after a failure, or where some rank's
+        settings change: Lightning's reload waits for them all). Once tuning ended each rank runs its own count
+        (:meth:`own_settings`, from its own windows, :attr:`own`); ``None``: no rank changes."""
+        default = (None if change is None else change.settings), bool(self.failures)
+        agreed = running if change is None else change.settings
+        if not self.distributed or self.failures or not ended or agreed is None or running is None:
+            return default
+        need = own_need(self.own, budget, policy)
+        mine, anyone = self.own_settings(agreed, running, need, alike, policy.stall_threshold)
+        return (mine, True) if anyone else default
+
+    def report(self) -> dict[str, Any]:
+        """The report's part: the agreed budget, the ranks' stall spread, each rank's own workers and why not."""
+        agreed = None if self.budget is None else dataclasses.asdict(self.budget)
+        spread = self.stall_spread
+        return {
+            "agreed_budget": agreed,
+            "stall_frac_spread": spread,
+            "rank_workers": self.rank_workers,
+            "ranks_alike": self.alike,
+        }
 
     def same_start(self, key: str, choice: T | None) -> T | None:
         """Rank 0's ``choice`` (a cache hit) on every rank, if every rank's ``key`` is the same; else ``None``

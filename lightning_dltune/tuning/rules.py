@@ -544,6 +544,16 @@ def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: i
     return max(1, est.safe_workers)
 
 
+def own_need(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> int:
+    """The workers one rank's own windows ask for: the model's count within the budgets (as the jump sizes it), at
+    least one."""
+    usable = [t for t in trials if t.usable]
+    if not usable:
+        return 1
+    est = estimate(usable, budget, policy)
+    return max(1, min(worker_cap(est, budget, usable[-1].settings.prefetch_factor or 2)[0], est.needed_workers))
+
+
 def _wasted(cand: LoaderSettings, gain_s: float, start_cost_s: float, remaining: int | None) -> str | None:
     """Why switching to ``cand`` would not pay: what it saves a step over the ``remaining`` steps is not more than its
     start costs (``None`` when it would pay, or when the run's length is unknown)."""
