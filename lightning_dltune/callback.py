@@ -197,8 +197,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.observe_only, self.tune_iterable, self.mode, self.log_gpu = observe_only, tune_iterable, mode, log_gpu
         self.cache, self.report_path = None if cache is True else cache, None if report_path is True else report_path
         self._cache, self.verbose, self.plot = RunCache(self.cache), verbose, plot
-        self.view = RunView(plot)
-        self.state = TuningState(self.policy, observe_only)
+        self.view, self.state = RunView(plot), TuningState(self.policy, observe_only)
         self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
         self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
         hooks = (self._lookup_cache, self._fail)
@@ -207,8 +206,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self._limits = {"max_workers": max_workers, "max_prefetch": max_prefetch, "max_memory": max_memory}
         self.evals = EvalLoaders(eval_loops, self.policy, observe_only, tune_iterable, self.cache, self._limits)
         self.switcher.seamless.before_epoch = self.evals.draws_before  # validation's draws between epochs
-        self.budget = self.report = self.report_file = None
-        self._steps_since_log = 0
+        self.budget, self.report, self.report_file, self._steps_since_log = None, None, None, 0
 
     # --- results, read from the parts ---------------------------------------------------------------------------
     phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.tuning.state.Phase`.")
@@ -358,6 +356,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.probe.memory.measuring = self.state.probing_memory
         ended, alike = decision is not None and self.state.done, self.switcher.alike  # then each rank its own count
         settings, everywhere = self.agreement.own_change(change, ended, self.state.current, budget, self.policy, alike)
+        self.state.rank_workers = self.agreement.rank_workers  # checkpointed: each rank's back on resume
         if settings is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings
             behind = change is not None and self.state.starts_behind(
@@ -397,6 +396,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state.load_state_dict(state_dict)
         self.evals.load_state_dict(state_dict.get("loops", {}))
+        self.state.target = self.agreement.resumed(self.state.target, self.state.rank_workers)  # this rank's own
         self.switcher.aim(self.state.target)  # now: FSDP/DeepSpeed restore after on_fit_start
         self.switcher.load_position(state_dict)
 

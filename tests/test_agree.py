@@ -210,3 +210,28 @@ def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_t
     trial_decision = Decision("try", eight, "the jump")
     assert agreement.own_change(trial_decision, False, eight, budget, policy, alike=None) == (eight, False)
     assert len(strategy.calls) == calls
+
+
+def test_a_resumed_rank_gets_its_own_count_back_from_the_checkpoint_of_a_settled_run():
+    from lightning_dltune.tuning.state import Phase, TuningState
+
+    eight = LoaderSettings.normalized(8)
+    saved = TuningState()
+    saved.phase, saved.best_settings, saved.target = Phase.SETTLED, eight.to_loader_kwargs(), eight
+    saved.rank_workers = [2, 8]  # gathered on every rank when tuning ended; rank zero saves them
+    loaded = TuningState()
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.rank_workers == [2, 8] and loaded.target == eight
+    for rank, count in ((0, 2), (1, 8)):
+        strategy = FakeStrategy([])
+        strategy.global_rank = rank
+        agreement = Agreement(strategy)
+        assert agreement.resumed(loaded.target, loaded.rank_workers) == eight.with_workers(count)
+        assert agreement.rank_workers == [2, 8]
+    # another world size: every rank on the agreed settings
+    assert Agreement(FakeStrategy([])).resumed(eight, [2, 8, 8]) == eight
+    # a run resumed mid-tuning tries its plan on every rank alike
+    saved.phase = Phase.TUNING
+    loaded = TuningState()
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.rank_workers == []

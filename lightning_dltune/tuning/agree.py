@@ -157,6 +157,15 @@ class Agreement:
         mine, anyone = self.own_settings(agreed, running, need, alike, policy.stall_threshold)
         return (mine, True) if anyone else default
 
+    def resumed(self, agreed: LoaderSettings | None, counts: list[int]) -> LoaderSettings | None:
+        """This rank's settings on resume: ``agreed`` with its own count of ``counts`` (every rank's, from the
+        checkpoint rank zero saved), where the world has as many ranks as then."""
+        rank, world = int(getattr(self.strategy, "global_rank", 0)), len(counts)
+        if agreed is None or not self.distributed or world != int(self.strategy.world_size) or agreed.num_workers <= 0:
+            return agreed
+        self.rank_workers = list(counts)
+        return agreed.with_workers(counts[rank]) if counts[rank] != agreed.num_workers else agreed
+
     def report(self) -> dict[str, Any]:
         """The report's part: the agreed budget, the ranks' stall spread, each rank's own workers and why not."""
         agreed = None if self.budget is None else dataclasses.asdict(self.budget)

@@ -94,6 +94,7 @@ class TuningState:
         self.recoveries = 0
         self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
         self.memory_limit: int | None = None  # the most workers the memory budget held (an earlier run's, cached)
+        self.rank_workers: list[int] = []  # under DDP, each rank's own count once tuning ended (Agreement.own_change)
         self._cached_entry: dict[str, Any] | None = None
         self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
         self._budget: Budget | None = None  # the budget the last window was judged under (see undecided)
@@ -432,6 +433,7 @@ class TuningState:
             "diagnosis": self.diagnosis,
             "diagnosed_by": self.diagnosed_by,
             "memory_limit": self.memory_limit,
+            "rank_workers": self.rank_workers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -443,12 +445,15 @@ class TuningState:
         self.diagnosed_by = state.get("diagnosed_by", "")
         limit = state.get("memory_limit")
         self.memory_limit = limit if isinstance(limit, int) else None
+        self.rank_workers = [int(n) for n in state.get("rank_workers", [])]
         start, target = state.get("start"), state.get("target")
         self.start = None if start is None else LoaderSettings.from_dict(start)
         if self.observe_only:
             return
         settled = phase == Phase.SETTLED.value and self.best_settings is not None  # settled on nothing: tune again
         self.phase = Phase.SETTLED if settled else Phase.TUNING
+        if not settled:  # a run that goes on tuning tries its plan on every rank alike
+            self.rank_workers = []
         if settled and self.best_settings is not None:
             target = self.best_settings
         if target is not None:
