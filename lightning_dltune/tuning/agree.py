@@ -47,7 +47,7 @@ class Agreement:
         stall_spread: max minus min stall fraction across ranks at the last decision or log step.
         rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
         own: this rank's own windows (its settings, its statistics), before the ranks' are reduced to one.
-        widest: the widest spread of the ranks' stalls at a decision.
+        widest: the widest spread of the ranks' stalls at a decision on the train loader.
         rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
         alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
     """
@@ -85,6 +85,8 @@ class Agreement:
         self.failures = [] if failed is None else [failed]
         if self.distributed:
             stats, budget = self._reduce(stats, budget, failed)
+            if running is not None:  # the train loader's (an evaluation loop's agreement passes none)
+                self.widest = max(self.widest, self.stall_spread or 0.0)
         choice = choose(stats, budget, self.failures)
         if self.distributed and choice is not None:
             choice = self.strategy.broadcast(choice, src=0)  # every rank must switch at the same step
@@ -104,7 +106,6 @@ class Agreement:
         for name in _MAX_FIELDS:
             values[name] = float(table[:, col(name)].max())
         self.rank_stalls = [float(x) for x in stall]
-        self.widest = max(self.widest, self.stall_spread or 0.0)
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
         self.failures = list(dict.fromkeys(f for r in table[:, n + 4 :].tolist() if (f := _decode(r)) is not None))

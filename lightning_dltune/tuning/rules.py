@@ -338,10 +338,11 @@ def no_more_workers(s: Situation) -> Decision | None:
 
 
 def workers_would_contend(s: Situation) -> Decision | None:
-    """Where the step computes on the CPUs the workers would load on, and stretched by the loading its idle CPUs
-    cannot hold (:func:`~.model.contended_s`) it is not ``min_gain`` faster than now: settle without a trial."""
+    """From 0 workers, where the step computes on the CPUs the workers would load on, and stretched by the loading
+    its idle CPUs cannot hold (:func:`~.model.contended_s`) it is not ``min_gain`` faster than now: settle without a
+    trial (with workers running, what more of them do is measured)."""
     now = s.last.stats.mean_wall_s
-    if s.w >= s.sized or now <= 0 or not contention_eats_the_gain(s.est, now, s.hand, s.policy.min_gain):
+    if s.w != 0 or s.w >= s.sized or now <= 0 or not contention_eats_the_gain(s.est, now, s.hand, s.policy.min_gain):
         return None
     cand = s.cur.with_workers(s.sized)
     return s.settle(
