@@ -1,13 +1,12 @@
 """Run by tests/test_ddp.py as its own process tree: Lightning's "ddp" launcher re-executes this script.
 
 python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
-                                            # ... rank 1 loads at half rank 0's pace
+                                            # ... rank 1 loads at a sixth of rank 0's pace
 python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
 python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node", each node launched by the test
 python tests/ddp_script.py OUT memory       # 4 workers per rank whose memory grows past the node's budget
-python tests/ddp_script.py OUT ranks        # rank 1 loads at a sixth of rank 0's pace: each rank its own workers
 """
 
 import faulthandler
@@ -112,7 +111,7 @@ def main() -> None:
         strategy="ddp",
         devices=2,
         num_nodes=2 if kind == "node" else 1,
-        max_epochs=4 if kind in ("memory", "ranks") else 3,
+        max_epochs=4 if kind == "memory" else 3,
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
         logger=False,
@@ -125,9 +124,8 @@ def main() -> None:
         from test_memory_budget import Leaky  # each worker keeps 512 KiB of every sample it loads
 
         dataset: SyntheticDataset = Leaky(length=384)
-    elif kind == "single":  # rank 1's samples take twice as long: the ranks differ, and the tuner says which waits
-        dataset = SyntheticDataset(length=384, latency_ms=5.0 * (1 + int(os.environ.get("LOCAL_RANK", 0))))
-    elif kind == "ranks":  # rank 1's samples take 6x as long as rank 0's: each rank needs its own count
+    elif kind == "single":  # rank 1's samples take 6x as long: the ranks differ, the tuner says which waits, and each
+        # rank runs its own workers once tuning ended
         dataset = SyntheticDataset(length=384, latency_ms=1.0 if os.environ.get("LOCAL_RANK", "0") == "0" else 6.0)
     else:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
