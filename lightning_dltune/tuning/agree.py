@@ -60,7 +60,7 @@ class Agreement:
         self.own: list[Trial] = []
         self.rank_workers: list[int] = []
         self.alike: str | None = None
-        self.widest = 0.0  # the widest spread of the ranks' stalls seen
+        self.widest = 0.0
 
     @property
     def distributed(self) -> bool:
@@ -80,7 +80,7 @@ class Agreement:
         """``choose`` on the most stalled rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
         (one that failed on that rank alone since the last decision point), the same on every rank.
         :attr:`failures` keeps the configs gathered; :attr:`own` this rank's window on ``running``."""
-        if running is not None and stats.steps:
+        if running is not None and stats.steps and self.distributed:
             self.own.append(Trial(running, stats))
         self.failures = [] if failed is None else [failed]
         if self.distributed:
