@@ -431,3 +431,20 @@ def test_a_background_start_must_fit_beside_the_running_workers(running, workers
     from lightning_dltune.tuning.memory import WorkerMemory, fits_beside
 
     assert fits_beside(running, WorkerMemory(base_bytes=50, growth_bytes=5), workers, 10, budget) is fits
+
+
+def test_a_worker_not_read_now_is_counted_grown_since_its_own_reading():
+    """A leaking loader's 4 workers, read 2 at a time in the open: the 2 not read are not left at their old reading."""
+    pids = [11, 12, 13, 14]
+    size = {p: 10 * MiB for p in pids}
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [size[p] for p in ps])
+    for _ in range(2):  # all 4 read twice, 8 batches apart: 8 MiB per batch taken, together (2 MiB each)
+        watch.sample()
+        for _ in range(8):
+            watch.batch_taken()
+        for p in pids:
+            size[p] += 16 * MiB
+    assert watch.growth_bytes == pytest.approx(8 * MiB)
+    # read 2 of them: 11 and 12 as read (42 MiB each); 13 and 14 from their reading 8 batches ago (26 MiB), grown
+    # 2 MiB a batch since (42 MiB): not 26
+    assert watch.sample(most=2).total_bytes == pytest.approx(4 * 42 * MiB)

@@ -103,7 +103,7 @@ class MemoryWatch:
         self._samples: list[MemorySample] = []
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
         self._pids: frozenset[int] = frozenset()
-        self._each: dict[int, float] = {}  # each running worker's latest reading
+        self._each: dict[int, tuple[float, int]] = {}  # each running worker's latest reading, and `batches` then
         self._rotation = 0  # where the next partial reading starts among the workers (see sample)
         self._newest: MemorySample | None = None  # the latest reading of any window (of the workers in `_pids`)
         self._set_start = 0
@@ -130,7 +130,8 @@ class MemoryWatch:
     def sample(self, most: int | None = None) -> MemorySample | None:
         """Read the workers now, at most ``most`` of them; the thread calls this, and a window that saw no reading at
         its end. The workers' total is the sum of each one's latest reading (workers differ: one may have copied
-        far more than the others), a worker never read counted at the mean of those read now."""
+        far more than the others), grown since as a worker grows per batch (:meth:`_unread`), a worker never read
+        counted at the mean of those read now."""
         window, built = self._window, self._built
         pids = self._pids_now()
         read = pids
@@ -147,9 +148,9 @@ class MemoryWatch:
                 self._pids, self._set_start = frozenset(pids), batches
                 self._recent, self._set_growth, self._set_rate, self._each = [], None, 0.0, {}
                 self._batch_rate = 0.0
-            self._each.update(sizes)
-            mean = sum(sizes.values()) / len(sizes)
-            each = sizes if read is pids else {pid: self._each.get(pid, mean) for pid in pids}
+            self._each.update({pid: (size, batches) for pid, size in sizes.items()})
+            mean, per_worker = sum(sizes.values()) / len(sizes), self.growth_bytes / len(pids)
+            each = sizes if read is pids else {pid: self._unread(pid, mean, per_worker) for pid in pids}
             workers, total = len(each), sum(each.values())
             if self.budget_bytes:  # the pace of the next readings follows this one, not the last step's check
                 self.pressure = (total + workers * self.flight_bytes) / self.budget_bytes
@@ -169,6 +170,14 @@ class MemoryWatch:
                 self._samples.append(reading)
                 self.latest = reading
         return reading
+
+    def _unread(self, pid: int, mean: float, per_worker: float) -> float:
+        """A worker not read now: its latest reading, grown as a worker grows per batch taken since (``per_worker``);
+        one never read, at ``mean`` (of those read now)."""
+        if pid not in self._each:
+            return mean
+        size, at = self._each[pid]
+        return size + max(0.0, per_worker) * max(0, self.batches - at)
 
     @property
     def newest_in_window(self) -> bool:
