@@ -448,3 +448,17 @@ def test_a_worker_not_read_now_is_counted_grown_since_its_own_reading():
     # read 2 of them: 11 and 12 as read (42 MiB each); 13 and 14 from their reading 8 batches ago (26 MiB), grown
     # 2 MiB a batch since (42 MiB): not 26
     assert watch.sample(most=2).total_bytes == pytest.approx(4 * 42 * MiB)
+
+
+def test_the_first_reading_s_at_most_growth_asks_for_a_reading_and_is_not_counted_as_what_workers_grow_ahead():
+    from lightning_dltune.measurement.probe import Probe
+
+    pids = list(range(8))
+    probe = Probe(worker_pids=lambda: pids, memory_of=lambda ps: [200 * MiB for _ in ps], footprint=lambda: 4 * 2**30)
+    probe.memory.batch_taken()
+    probe.memory.sample()  # 8 workers of 200 MiB after 1 batch: at most 1600 MiB a batch, not measured
+    assert probe.memory.growth_bytes == pytest.approx(1600 * MiB) and probe.memory.lead_bytes == 0
+    for _ in range(4):
+        probe.memory.batch_taken()
+    # the bound grows the estimate past a 15 GiB budget; the reading it asks for (1600 MiB) decides
+    assert not probe.over_budget(cfg(8), 15 * 2**30)

@@ -262,6 +262,11 @@ def test_contention_is_expected_before_a_trial_where_the_step_leaves_the_loading
     assert (wide.rule, wide.action) == ("jump_to_the_model", "try"), wide.reason
     unmeasured = replace(CPU_STEP, stats=replace(CPU_STEP.stats, main_cpu_s=0.0))
     assert decide([unmeasured], BUDGET).action == "try"
+    # loading far heavier than a step on 1 CPU: the CPU work over the CPUs bounds the stretch, and workers are tried
+    heavy = stepping_on(trial(0, 200, 10, fetch_cpu_ms=200), 1.0)
+    assert decide([heavy], BUDGET).rule == "jump_to_the_model"
+    heavier = stepping_on(trial(0, 1400, 10, fetch_cpu_ms=1400), 1.0)
+    assert decide([heavier], Budget(cpus=8.0, max_workers=64)).rule == "jump_to_the_model"
     # over 4 steps the 20 ms a step the 1 CPU's step saves (80 ms) does not pay the 2 workers' start (100 ms)
     held = decide([stepping_on(CPU_STEP, 1.0)], BUDGET, remaining_steps=4)
     assert (held.rule, held.action) == ("start_costs_more", "hold"), held.reason

@@ -149,7 +149,7 @@ class MemoryWatch:
                 self._recent, self._set_growth, self._set_rate, self._each = [], None, 0.0, {}
                 self._batch_rate = 0.0
             self._each.update({pid: (size, batches) for pid, size in sizes.items()})
-            mean, per_worker = sum(sizes.values()) / len(sizes), self.growth_bytes / len(pids)
+            mean, per_worker = sum(sizes.values()) / len(sizes), self.measured_growth / len(pids)
             each = sizes if read is pids else {pid: self._unread(pid, mean, per_worker) for pid in pids}
             workers, total = len(each), sum(each.values())
             if self.budget_bytes:  # the pace of the next readings follows this one, not the last step's check
@@ -196,10 +196,23 @@ class MemoryWatch:
         return self._fitted_growth if growth is None else max(growth, self._fitted_growth)
 
     @property
+    def measured_growth(self) -> float:
+        """:attr:`growth_bytes` as measured: over two readings or more, or fitted by a window; not the first
+        reading's at-most bound (all they hold over the batches taken), which only asks for a reading."""
+        fitted = self._fitted_growth
+        return max(self._set_growth or 0.0, fitted) if len(self._recent) >= 2 else fitted
+
+    @property
     def lead_bytes(self) -> float:
-        """What the running workers grow before a switch down decided now stops them (:func:`memory.lead_bytes`)."""
+        """What the running workers grow before a switch down decided now stops them (:func:`memory.lead_bytes`, at
+        the :attr:`measured_growth`), up to what they can come to hold (:attr:`ceiling_bytes` each)."""
         held_from = self._held_from
-        return lead_bytes(self.growth_bytes, held_from[0].workers) if held_from is not None else 0.0
+        if held_from is None:
+            return 0.0
+        lead = lead_bytes(self.measured_growth, held_from[0].workers)
+        if self.ceiling_bytes > 0:
+            lead = min(lead, max(0.0, held_from[0].workers * self.ceiling_bytes - held_from[0].total_bytes))
+        return lead
 
     def held(self, workers: int | None = None, grown: bool = True) -> float | None:
         """What the running workers hold now, their batches in flight included (``None``: no loader built and nothing

@@ -88,8 +88,8 @@ class Agreement:
             if running is not None:  # the train loader's (an evaluation loop's agreement passes none)
                 self.widest = max(self.widest, self.stall_spread or 0.0)
         choice = choose(stats, budget, self.failures)
-        if self.distributed and choice is not None:
-            choice = self.strategy.broadcast(choice, src=0)  # every rank must switch at the same step
+        if self.distributed:  # every rank must switch at the same step; once each runs its own count, their
+            choice = self.strategy.broadcast(choice, src=0)  # own choices may differ: rank zero's, None included
         return stats, budget, choice
 
     def _reduce(self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None) -> tuple[WindowStats, Budget]:
@@ -156,7 +156,7 @@ class Agreement:
             return default
         need = own_need(self.own, budget, policy)
         mine, anyone = self.own_settings(agreed, running, need, alike, policy.stall_threshold)
-        return (mine, True) if anyone else default
+        return mine, anyone  # no rank changing: ``mine`` is the running settings, and nothing is rebuilt
 
     def resumed(self, agreed: LoaderSettings | None, counts: list[int]) -> LoaderSettings | None:
         """This rank's settings on resume: ``agreed`` with its own count of ``counts`` (every rank's, from the

@@ -483,13 +483,18 @@ def contended_s(est: Estimate) -> float:
     waits for its slowest thread): the loading's CPU time a batch that the CPUs none of them needs can hold for the
     busy time is free; the rest lands on a CPU one of its threads needs (a thread's short idle gaps do not hold a
     worker's batch) and delays the step by as much, in the share of the time the step computes (``step_cpus``, at
-    most 1: a step that computes on no CPU is not slowed)."""
+    most 1: a step that computes on no CPU is not slowed). Never more than all the CPU work (the step's and the
+    loading's) over the CPUs, times the threads: one thread is slowed only to a fair share, and each thread more can
+    stall the others once."""
     cpus, k = est.worker_cpus, min(est.step_cpus, est.worker_cpus)
     if k <= 0:
         return est.busy_s
-    idle = max(0.0, cpus - max(k, float(max(1, round(k)))))
+    threads = float(max(1, round(k)))
+    idle = max(0.0, cpus - max(k, threads))
     excess = est.cpu_per_batch_s - idle * est.busy_s
-    return est.busy_s + max(0.0, excess) * min(1.0, k)
+    lockstep = est.busy_s + max(0.0, excess) * min(1.0, k)
+    fair = max(est.busy_s, (est.cpu_per_batch_s + k * est.busy_s) / cpus)
+    return min(lockstep, fair * threads)
 
 
 def contention_eats_the_gain(est: Estimate, now_s: float, hand_s: float, min_gain: float) -> bool:
