@@ -73,19 +73,20 @@ def test_a_step_that_computes_on_the_cpus_is_delayed_by_the_loading_its_idle_cpu
     assert predict(cfg(2), est, [CPU_STEP]).step_s == pytest.approx(contended_s(est))
     # on 1.8 CPUs: two threads, no CPU free of them (their short idle gaps hold no batch): all 24 ms again
     assert contended_s(estimate([stepping_on(CPU_STEP, 1.8)], BUDGET)) == pytest.approx(0.020 + 0.024)
-    # a step on 1 CPU leaves the other idle for its 20 ms: 4 ms of the loading land on its CPU, but one thread is
-    # slowed only to a fair share: 44 ms of work on 2 CPUs, 22 ms; on half a CPU, the 4 ms delay it half as much, and
-    # a fair share is the step alone; a step on none is not slowed
-    assert contended_s(estimate([stepping_on(CPU_STEP, 1.0)], BUDGET)) == pytest.approx(0.022)
+    # a step on one thread is slowed toward a fair share, in the share of the CPUs it uses: on 1 CPU of 2, 44 ms of
+    # work on 2 CPUs (22 ms), 2 ms past the step, half of it; on half a CPU the fair share is the step alone; a step
+    # on none is not slowed
+    assert contended_s(estimate([stepping_on(CPU_STEP, 1.0)], BUDGET)) == pytest.approx(0.021)
     assert contended_s(estimate([stepping_on(CPU_STEP, 0.5)], BUDGET)) == pytest.approx(0.020)
     assert contended_s(estimate([stepping_on(CPU_STEP, 0.0)], BUDGET)) == pytest.approx(0.020)
-    # loading far heavier than the step (200 ms of CPU a batch, a 20 ms step on 1 CPU): not 200 ms a step, but the
-    # CPU work over the CPUs (110 ms), which workers reach; on 8 CPUs (600 ms a batch) 77.5 ms
+    # loading far heavier than a one-thread step (200 ms of CPU a batch, a 20 ms step on 1 CPU of 2): not 200 ms a
+    # step, but halfway from the step to the CPU work over the CPUs (110 ms), 65 ms
     heavy = stepping_on(trial(0, 200, 20, fetch_cpu_ms=200), 1.0)
-    assert contended_s(estimate([heavy], BUDGET)) == pytest.approx(0.110)
-    wide = Budget(cpus=8.0, max_workers=64)
-    heavier = stepping_on(trial(0, 600, 20, fetch_cpu_ms=600), 1.0)
-    assert contended_s(estimate([heavier], wide)) == pytest.approx((0.600 + 0.020) / 8)
+    assert contended_s(estimate([heavy], BUDGET)) == pytest.approx(0.065)
+    # two threads in lockstep, 100 ms of loading a batch: all of it delays the 20 ms step (120 ms), under twice the
+    # fair share ((100 + 40) / 2 x 2 = 140 ms)
+    two = estimate([stepping_on(trial(0, 100, 20, fetch_cpu_ms=100), 2.0)], BUDGET)
+    assert contended_s(two) == pytest.approx(0.120)
 
 
 def test_a_loader_waiting_on_i_o_is_paced_by_its_batch_time_not_its_workers_cpu_share():

@@ -479,21 +479,21 @@ def pace_s(est: Estimate, base: Trial, workers: int) -> float:
 
 def contended_s(est: Estimate) -> float:
     """The step's busy time where workers load beside it. A step that computes on ``step_cpus`` CPUs runs that many
-    threads, rounded (1.8 CPUs: two threads, each busy most of the time; 1.05: one), in lockstep (a parallel region
-    waits for its slowest thread): the loading's CPU time a batch that the CPUs none of them needs can hold for the
-    busy time is free; the rest lands on a CPU one of its threads needs (a thread's short idle gaps do not hold a
-    worker's batch) and delays the step by as much, in the share of the time the step computes (``step_cpus``, at
-    most 1: a step that computes on no CPU is not slowed). Never more than all the CPU work (the step's and the
-    loading's) over the CPUs, times the threads: one thread is slowed only to a fair share, and each thread more can
-    stall the others once."""
+    threads, rounded (1.8 CPUs: two threads, each busy most of the time; 1.05: one). One thread is slowed toward a
+    fair share (all the CPU work, the step's and the loading's, over the CPUs), in the share of the CPUs it uses.
+    Several run in lockstep (a parallel region waits for its slowest thread): the loading's CPU time a batch that the
+    CPUs none of them needs can hold for the busy time is free; the rest lands on a CPU one of them needs (a thread's
+    short idle gaps do not hold a worker's batch) and delays the step by as much, never more than the fair share
+    times the threads (each thread more can stall the others once). A step that computes on no CPU is not slowed."""
     cpus, k = est.worker_cpus, min(est.step_cpus, est.worker_cpus)
     if k <= 0:
         return est.busy_s
-    threads = float(max(1, round(k)))
-    idle = max(0.0, cpus - max(k, threads))
-    excess = est.cpu_per_batch_s - idle * est.busy_s
-    lockstep = est.busy_s + max(0.0, excess) * min(1.0, k)
+    threads = max(1, round(k))
     fair = max(est.busy_s, (est.cpu_per_batch_s + k * est.busy_s) / cpus)
+    if threads == 1:
+        return est.busy_s + (fair - est.busy_s) * min(1.0, k / cpus)
+    idle = max(0.0, cpus - max(k, float(threads)))
+    lockstep = est.busy_s + max(0.0, est.cpu_per_batch_s - idle * est.busy_s)
     return min(lockstep, fair * threads)
 
 
