@@ -149,7 +149,8 @@ class Agreement:
         """The settings this rank switches to after an agreed decision (``change``: its loader change, if any;
         ``ended``: tuning ended with it), and whether every rank must reload (after a failure, or where some rank's
         settings change: Lightning's reload waits for them all). Once tuning ended each rank runs its own count
-        (:meth:`own_settings`, from its own windows, :attr:`own`); ``None``: no rank changes."""
+        (:meth:`own_settings`, from its own windows, :attr:`own`), its running settings where no rank changes;
+        ``None`` while tuning goes on without a loader change."""
         default = (None if change is None else change.settings), bool(self.failures)
         agreed = running if change is None else change.settings
         if not self.distributed or self.failures or not ended or agreed is None or running is None:
@@ -170,10 +171,9 @@ class Agreement:
     def report(self) -> dict[str, Any]:
         """The report's part: the agreed budget, the ranks' stall spread, each rank's own workers and why not."""
         agreed = None if self.budget is None else dataclasses.asdict(self.budget)
-        spread = self.stall_spread
         return {
             "agreed_budget": agreed,
-            "stall_frac_spread": spread,
+            "stall_frac_spread": self.stall_spread,
             "rank_workers": self.rank_workers,
             "ranks_alike": self.alike,
         }
