@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -226,8 +226,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         check_one_tuner([c for c in getattr(trainer, "callbacks", []) if isinstance(c, DataLoaderTuner)])
         reset_warnings()  # a second run (a notebook, a sweep) is told again what the first was told
         self.budget = tuner_budget(max(1, trainer.num_devices), self.max_workers, self.max_prefetch, self.max_memory)
-        self.agreement, held = Agreement(trainer.strategy), lambda: self.probe.held_bytes(self.state.current)
-        around = (self.probe.pause, self.probe.resume)  # validation is not training's time, its set-up included
+        self.agreement = Agreement(trainer.strategy, self.policy, lambda: self.switcher.alike)
+        held, around = lambda: self.probe.held_bytes(self.state.current), (self.probe.pause, self.probe.resume)
         self.evals.install(trainer, stage, self.budget, self.agreement, held, self.verbose, around)
         if stage != "fit":
             return
@@ -257,7 +257,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     def _lookup_cache(self, loader: DataLoader) -> None:
         trainer, budget, cache = self.switcher.trainer, self.budget, self._cache
         if trainer is not None and budget is not None:  # every rank starts on the same config
-            hit = cache.start(self.state, loader, budget.cpus, trainer, self._limits, self.agreement.same_start)
+            hit = cache.start(self.state, loader, budget.cpus, trainer, self._limits, self.agreement)
             if hit is not None:
                 rank_zero_info(f"DataLoaderTuner: starting from cached settings {hit.describe()} ({cache.path}).")
 
@@ -354,8 +354,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         failures, stalls = self.agreement.failures, self.agreement.rank_stalls  # no stalls in a single process
         change = self.state.apply(decision, stats, budget, trainer.global_step, failures, stalls)
         self.probe.memory.measuring = self.state.probing_memory
-        ended, alike = decision is not None and self.state.done, self.switcher.alike  # then each rank its own count
-        settings, everywhere = self.agreement.own_change(change, ended, self.state.current, budget, self.policy, alike)
+        ended = decision is not None and self.state.done  # then each rank its own count
+        settings, everywhere = self.agreement.own_change(change, ended, self.state.current, budget)
         self.state.rank_workers = self.agreement.rank_workers  # checkpointed: each rank's back on resume
         if settings is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings
@@ -384,7 +384,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
 
     def _tuning_ended(self, trainer: "pl.Trainer") -> None:
         self.plan.in_epoch = False
-        rank_zero_only(self._cache.teach)(self.state)
+        self._cache.teach(self.state, self.agreement.cache_extra())  # under DDP each rank its own entry
         self.view.summarize(trainer, self.state, say=self.verbose)
 
     # --- checkpoints and the report -----------------------------------------------------------------------------

@@ -124,8 +124,8 @@ def main() -> None:
         from test_memory_budget import Leaky  # each worker keeps 512 KiB of every sample it loads
 
         dataset: SyntheticDataset = Leaky(length=384)
-    elif kind == "single":  # rank 1's samples take 6x as long: the ranks differ, the tuner says which waits, and each
-        # rank runs its own workers once tuning ended
+    elif kind in ("single", "head", "tail"):  # rank 1's samples take 6x as long: the ranks differ, the tuner says
+        # which waits, and each rank runs its own workers once tuning ended (a resumed run too)
         dataset = SyntheticDataset(length=384, latency_ms=1.0 if os.environ.get("LOCAL_RANK", "0") == "0" else 6.0)
     else:
         dataset = SyntheticDataset(length=384, latency_ms=5.0)
@@ -161,6 +161,7 @@ def main() -> None:
         "carried": tuner.switcher.seamless.carried,  # epochs begun on the last epoch's iterator (seamless)
         "report_file": None if tuner.report_file is None else str(tuner.report_file),
         "memory_budget": None if tuner.budget is None else tuner.budget.memory_bytes,
+        "own_max_workers": None if tuner.budget is None else tuner.budget.max_workers,  # this rank's share's
         "val_seen": getattr(model, "val_seen", []),
         "val_trials": [t.settings.to_loader_kwargs() for t in val.trials],
     }

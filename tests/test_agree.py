@@ -1,6 +1,7 @@
 """Agreement across ranks with a stand-in strategy: every collective's tensor is on the strategy's root device."""
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +17,9 @@ FIELDS = [f.name for f in dataclasses.fields(WindowStats)]
 def row(stats: WindowStats, budget: Budget, failed: LoaderSettings | None = None) -> list[float]:
     limits = [budget.cpus, budget.max_workers, budget.memory_bytes or float("inf"), budget.shm_bytes or float("inf")]
     if failed is None:
-        return [float(getattr(stats, f)) for f in FIELDS] + limits + [-1.0, 0.0, 0.0, 0.0]
+        return [float(getattr(stats, f)) for f in FIELDS] + limits + [-1.0, 0.0, 0.0, 0.0] + [0.0, 0.0]
     encoded = [failed.num_workers, failed.prefetch_factor or 0, failed.pin_memory, failed.persistent_workers]
-    return [float(getattr(stats, f)) for f in FIELDS] + limits + [float(v) for v in encoded]
+    return [float(getattr(stats, f)) for f in FIELDS] + limits + [float(v) for v in encoded] + [0.0, 0.0]
 
 
 class FakeStrategy:
@@ -166,13 +167,13 @@ def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary(
 
 
 class TwoRanksCounts(FakeStrategy):
-    """Gathers each rank's worker count and whether it changes: this rank's (which a ``meta`` tensor cannot show) as
-    ``mine``, the other rank's 8 workers, unchanged."""
+    """Gathers each rank's need, node, share and running workers: this rank's (which a ``meta`` tensor cannot show)
+    as ``mine``, the other rank's: it needs its whole share of 8 workers, and runs 8."""
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
-        return torch.tensor([self.mine, [8.0, 0.0]], dtype=torch.float64)
+        return torch.tensor([self.mine, [8.0, 0.0, 8.0, 8.0]], dtype=torch.float64)
 
 
 def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_them():
@@ -183,33 +184,33 @@ def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_t
 
     budget, policy, eight = Budget(cpus=2.0, max_workers=8), Policy(), LoaderSettings.normalized(8)
     settle = Decision("settle", eight, "sized on rank 1, which waits most")
-    strategy = TwoRanksCounts([])
-    agreement = Agreement(strategy)
+    strategy, alike = TwoRanksCounts([]), [None]
+    agreement = Agreement(strategy, policy, lambda: alike[0])
     # this rank's own windows: 16 ms to load a batch against a 10 ms step at 0 workers, no wait with 8
     agreement.own = [trial(0, 16, 10, fetch_cpu_ms=1), trial(8, 0.1, 10)]
     need = own_need(agreement.own, budget, policy)
     assert 1 <= need < 8
-    strategy.mine = [float(need), 1.0]
+    strategy.mine = [float(need), 0.0, 8.0, 8.0]
     agreement.widest = 0.4  # the ranks' stalls differed beyond the threshold in some window
-    settings, everywhere = agreement.own_change(settle, True, eight, budget, policy, alike=None)
+    settings, everywhere = agreement.own_change(settle, True, eight, budget)
     assert settings == eight.with_workers(need) and everywhere
     assert agreement.rank_workers == [need, 8] and agreement.report()["rank_workers"] == [need, 8]
     # a hold (no loader change) ends tuning too: the same
-    assert agreement.own_change(None, True, eight, budget, policy, alike=None) == (eight.with_workers(need), True)
+    assert agreement.own_change(None, True, eight, budget) == (eight.with_workers(need), True)
     # a loader that needs every rank alike keeps the agreed settings, and says why
-    strategy.mine = [8.0, 0.0]
-    assert agreement.own_change(settle, True, eight, budget, policy, alike="litdata lays") == (eight, False)
+    strategy.mine, alike[0] = [8.0, 0.0, 8.0, 8.0], "litdata lays"
+    assert agreement.own_change(settle, True, eight, budget) == (eight, False)
     assert agreement.report()["ranks_alike"] == "litdata lays"
     # nobody changes: the running settings, nothing rebuilt
-    assert agreement.own_change(None, True, eight, budget, policy, alike="litdata lays") == (eight, False)
+    assert agreement.own_change(None, True, eight, budget) == (eight, False)
     # ranks whose stalls never differed beyond the threshold run alike
-    agreement.widest = 0.03
-    assert agreement.own_change(settle, True, eight, budget, policy, alike=None) == (eight, False)
+    agreement.widest, alike[0] = 0.03, None
+    assert agreement.own_change(settle, True, eight, budget) == (eight, False)
     assert agreement.report()["ranks_alike"] is None
     # while tuning goes on, a decision is agreed as it is, with no collective
     calls = len(strategy.calls)
     trial_decision = Decision("try", eight, "the jump")
-    assert agreement.own_change(trial_decision, False, eight, budget, policy, alike=None) == (eight, False)
+    assert agreement.own_change(trial_decision, False, eight, budget) == (eight, False)
     assert len(strategy.calls) == calls
 
 
@@ -236,3 +237,64 @@ def test_a_resumed_rank_gets_its_own_count_back_from_the_checkpoint_of_a_settled
     loaded = TuningState()
     loaded.load_state_dict(saved.state_dict())
     assert loaded.rank_workers == []
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ceilings", "needs", "own", "counts", "unpooled"),
+    [
+        # rank 1 may have what rank 0 leaves of the node's 16
+        ([0, 0], [8, 8], [1, 8], [8, 15], [1, 12], [1, 8]),
+        # both need their share: nothing to hand over
+        ([0, 0], [8, 8], [8, 8], [8, 8], [8, 8], [8, 8]),
+        # the neediest of four gets what three leave
+        ([0, 0, 0, 0], [4, 4, 4, 4], [1, 2, 4, 1], [4, 4, 12, 4], [1, 2, 12, 1], [1, 2, 4, 1]),
+        # each node's pool is its own
+        ([0, 0, 1, 1], [8, 8, 4, 4], [2, 8, 4, 1], [8, 14, 7, 4], [2, 12, 7, 1], [2, 8, 4, 1]),
+    ],
+)
+def test_the_rank_that_needs_most_on_its_node_gets_what_the_node_s_other_ranks_leave(
+    nodes, ceilings, needs, own, counts, unpooled
+):
+    from lightning_dltune.tuning.agree import own_ceilings, own_counts
+
+    assert own_ceilings(nodes, ceilings, needs) == own
+    # once tuning ended on 12 workers: the neediest rank of each node keeps them within its own ceiling, the others
+    # run what they need; without pooling (the user's own max_workers) the neediest stays within its own share
+    assert own_counts(12, nodes, ceilings, needs) == counts
+    assert own_counts(12, nodes, ceilings, needs, pool=False) == unpooled
+
+
+class TwoRanksOnANode(FakeStrategy):
+    """Two ranks of one node: this one (rank 0, its row as sent) and the other, which waits far more."""
+
+    global_rank, node_rank = 0, 0
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check(tensor)
+        self.calls.append("all_gather")
+        return torch.tensor([self.mine, self.other_row], dtype=torch.float64)
+
+
+def test_where_the_ranks_stalls_differ_the_most_stalled_rank_may_take_the_workers_its_neighbour_leaves():
+    from lightning_dltune.tuning.rules import own_need
+
+    from test_decide import trial
+
+    budget = Budget(cpus=1.0, max_workers=8)
+    theirs = WindowStats(steps=10, samples=160, wall_s=1.0, wait_s=0.9)
+    strategy = TwoRanksOnANode([*row(theirs, budget)[:-1], 7.0])  # rank 1 needs 7 of its 8 (within its share)
+    seen = []
+    agreement = Agreement(strategy)
+    own = trial(0, 16, 10, fetch_cpu_ms=1)  # this rank: 16 ms to load a batch against a 10 ms step
+    need = own_need([own], budget)
+    strategy.mine = [*row(own.stats, budget)[:-1], float(need)]
+    agreement.decide(own.stats, budget, lambda s, b, f: seen.append(b), running=own.settings)
+    assert seen[0].max_workers == 16 - need > 8 and "its neighbours' need" in seen[0].bound_by
+    assert agreement.share == 8  # this rank's own
+    # the user's own max_workers, or a loader that needs every rank alike, is not pooled
+    for users, alike in ((True, None), (False, "litdata lays")):
+        agreement = Agreement(strategy, why_alike=lambda alike=alike: alike)
+        agreement.decide(
+            own.stats, replace(budget, users_ceiling=users), lambda s, b, f: seen.append(b), running=own.settings
+        )
+        assert seen[-1].max_workers == 8

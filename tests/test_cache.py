@@ -3,6 +3,7 @@ import json
 import pytest
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.output.cache import CACHE_FORMAT, TuningCache, cache_key, default_cache_path
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
@@ -136,3 +137,78 @@ def test_dltune_cache_lists_and_clears(tmp_path, capsys):
     assert main(["cache", "clear", "--path", str(path)]) == 0
     assert "removed 1 entries" in capsys.readouterr().out and not path.exists()
     assert main(["cache", "list", "--path", str(path)]) == 0 and "0 entries" in capsys.readouterr().out
+
+
+def _teach_many(path, first):
+    cache = TuningCache(path)
+    for rank in range(first, first + 40):
+        cache.put({**FIELDS, "rank": rank, "world_size": 80}, LoaderSettings.normalized(1))
+
+
+def test_ranks_teaching_one_file_at_once_keep_every_entry(tmp_path):
+    # the local ranks of a node teach its cache at the same step: each read and write holds the file's lock
+    import multiprocessing
+
+    path, context = tmp_path / "c.json", multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_teach_many, args=(path, first)) for first in (0, 40)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert sorted(e["fields"]["rank"] for e in TuningCache(path).entries()) == list(range(80))
+
+
+class RankOfTwo:
+    """A stand-in for a DDP strategy (the real run is test_ddp's): rank ``global_rank`` of two, whose collectives
+    see the other rank send what this one sends, and whose broadcast hands on rank zero's ``choice``."""
+
+    world_size, root_device = 2, "cpu"
+
+    def __init__(self, global_rank, choice=None):
+        self.global_rank, self.choice, self.keys = global_rank, choice, []
+
+    def all_gather(self, tensor):
+        self.keys.append(int(tensor.reshape(-1)[0]))
+        return tensor.reshape(1, -1).repeat(2, 1)
+
+    def broadcast(self, obj, src=0):
+        return obj if self.choice is None else self.choice
+
+
+def test_under_ddp_each_rank_has_its_own_entry_and_ranks_compare_keys_apart_from_their_rank(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from lightning_dltune.output.cache import RunCache, key_fields
+    from lightning_dltune.tools.cli import main
+    from lightning_dltune.tuning.agree import Agreement
+    from lightning_dltune.tuning.model import Trial
+    from lightning_dltune.tuning.state import TuningState
+
+    loader = DataLoader(SyntheticDataset(length=32, latency_ms=0.0), batch_size=4)
+    assert "rank" not in key_fields(loader, 2.0, "cpu", 1)  # a single process's key is as it was
+    path, agreed = tmp_path / "c.json", LoaderSettings.normalized(8)
+    # a DDP run taught one entry per rank
+    strategies = [RankOfTwo(rank) for rank in (0, 1)]
+    for strategy in strategies:
+        trainer = SimpleNamespace(strategy=strategy, num_devices=2, global_rank=strategy.global_rank, world_size=2)
+        cache, agreement = RunCache(path), Agreement(strategy)
+        assert cache.start(TuningState(), loader, 1.0, trainer, {}, agreement) is None  # nothing cached yet
+        agreement.rank_workers, agreement.widest = [2, 8], 0.4
+        measured = Trial(agreed, WindowStats(steps=9, samples=36, wall_s=1.0))
+        cache.remember(agreed, measured, None, agreement.cache_extra())
+    assert strategies[0].keys == strategies[1].keys  # the ranks' keys but for the rank: the same
+    entries = TuningCache(path).entries()
+    assert sorted((e["fields"]["rank"], e["own_workers"]) for e in entries) == [(0, 2), (1, 8)]
+    assert main(["cache", "list", "--path", str(path)]) == 0
+    assert "rank 1 of 2 (8 workers of its own)" in capsys.readouterr().out
+    # the next run: rank 1 finds its own entry; every rank starts on rank zero's hit (the agreed settings), and the
+    # verification's settle gives each rank its own count again: the ranks differed that widely
+    rank0 = next(e for e in entries if e["fields"]["rank"] == 0)
+    strategy = RankOfTwo(1, choice=TuningCache(path).get(rank0["fields"]))
+    trainer = SimpleNamespace(strategy=strategy, num_devices=2, global_rank=1, world_size=2)
+    cache, state, agreement = RunCache(path), TuningState(), Agreement(strategy)
+    assert cache.start(state, loader, 1.0, trainer, {}, agreement) == agreed and state.cache_hit
+    assert cache.own is not None and cache.own["own_workers"] == 8 and agreement.widest == 0.4

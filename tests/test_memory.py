@@ -462,3 +462,13 @@ def test_the_first_reading_s_at_most_growth_asks_for_a_reading_and_is_not_counte
         probe.memory.batch_taken()
     # the bound grows the estimate past a 15 GiB budget; the reading it asks for (1600 MiB) decides
     assert not probe.over_budget(cfg(8), 15 * 2**30)
+
+
+def test_workers_above_the_ceiling_of_this_decision_are_not_read_as_outgrowing_a_roomy_budget():
+    # under DDP the worker ceiling follows the ranks' need and may shrink between decisions: 15 workers measured at
+    # 8 MiB each against a 5 GiB budget fit, whatever the ceiling now (the cap counted only up to it, and read 15 as
+    # "more than fit")
+    start = with_mem(trial(0, 100, 10, fetch_cpu_ms=1), 0, main_mib=250)
+    fifteen = with_mem(trial(15, 0.5, 10), 8, main_mib=250, epoch=12)
+    decision = decide([start, fifteen], Budget(cpus=1, max_workers=8, memory_bytes=5 * 2**30), Policy())
+    assert "outgrow" not in decision.reason, decision.reason

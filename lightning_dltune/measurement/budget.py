@@ -163,7 +163,7 @@ def default_max_workers(cpus: float) -> int:
 def make_budget(cpu: CpuBudget, max_workers: int | None, max_prefetch: int) -> Budget:
     cap = default_max_workers(cpu.cpus) if max_workers is None else max_workers
     bound_by = cpu.bound_by if max_workers is None else f"{cpu.bound_by}; max_workers={max_workers}"
-    return Budget(cpus=cpu.cpus, max_workers=cap, max_prefetch=max_prefetch, bound_by=bound_by)
+    return Budget(cpu.cpus, cap, max_prefetch, bound_by, users_ceiling=max_workers is not None)
 
 
 @dataclass(frozen=True)

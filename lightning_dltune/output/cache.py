@@ -3,6 +3,9 @@
 The key holds the host (usable CPUs, memory), the accelerator, the dataset's class and length, the batch
 size, the local world size, the limits the user set (``max_workers``, ``max_prefetch``, ``max_memory``), the
 workers' start method and the library version: change any of them and the cached result no longer applies.
+Under DDP it also holds the rank and the world size: every rank keeps its own entry in its node's cache (the
+agreed settings, its own worker count and how far the ranks' stalls differed), so ranks on other nodes find
+theirs; ranks on one node write one file, each write under a lock on it.
 Each entry also stores a fingerprint of the per-sample cost (a few samples loaded in the main process); a
 later run whose samples cost more than twice as much, or less than half, does not use the entry (a heavier
 transform is not the same workload). Writes go through a temporary file and a rename; a corrupt or foreign
@@ -12,12 +15,14 @@ show and reset it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +99,10 @@ class TuningCache:
         return count
 
     def drop(self, fields: dict[str, Any]) -> None:
-        entries = self._entries()
-        if entries.pop(cache_key(fields), None) is not None:
-            self._write(entries)
+        with self._locked():
+            entries = self._entries()
+            if entries.pop(cache_key(fields), None) is not None:
+                self._write(entries)
 
     def get(self, fields: dict[str, Any]) -> tuple[LoaderSettings, dict[str, Any]] | None:
         """The cached settings for ``fields`` and their whole entry, or ``None``."""
@@ -109,14 +115,35 @@ class TuningCache:
             return None
 
     def put(self, fields: dict[str, Any], settings: LoaderSettings, extra: dict[str, Any] | None = None) -> None:
-        entries = self._entries()
-        entries[cache_key(fields)] = {
-            "fields": json.loads(json.dumps(fields, default=str)),
-            "settings": settings.to_loader_kwargs(),
-            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **(extra or {}),
-        }
-        self._write(entries)
+        with self._locked():
+            entries = self._entries()
+            entries[cache_key(fields)] = {
+                "fields": json.loads(json.dumps(fields, default=str)),
+                "settings": settings.to_loader_kwargs(),
+                "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **(extra or {}),
+            }
+            self._write(entries)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold an exclusive lock on ``<path>.lock`` around a read and its write: the ranks of one node write the same
+        file at the same step. Unlocked where locks are not to be had (no ``fcntl``; a folder that cannot be written,
+        whose write then warns)."""
+        try:
+            import fcntl
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path.with_name(self.path.name + ".lock"), "a")  # noqa: SIM115 (closed below)
+        except (ImportError, OSError):
+            yield
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _write(self, entries: dict[str, Any]) -> None:
         try:
@@ -133,16 +160,25 @@ def entry_extra(trial: Trial | None) -> dict[str, Any]:
 
 
 def key_fields(
-    loader: Any, cpus: float, accelerator: str, local_world_size: int, limits: dict[str, Any] | None = None
+    loader: Any,
+    cpus: float,
+    accelerator: str,
+    local_world_size: int,
+    limits: dict[str, Any] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """The key of ``loader``'s entry: what must be the same for its settled settings to apply. ``limits``: the
-    tuner arguments that bound the search (a config settled under ``max_workers=1`` is not valid under 8)."""
+    tuner arguments that bound the search (a config settled under ``max_workers=1`` is not valid under 8);
+    ``rank`` and ``world_size``: under DDP each rank's entry is its own."""
     import psutil
 
     from lightning_dltune import __version__
 
     dataset = loader.dataset
+    ranks = {"rank": rank, "world_size": world_size} if world_size > 1 else {}
     return {
+        **ranks,
         "limits": dict(limits or {}),
         "start_method": start_method(loader),
         "cpus": cpus,
@@ -170,24 +206,36 @@ class RunCache:
 
     Args:
         option: the tuner's ``cache`` argument (``None``: the default path, ``False``: off, else a path).
+
+    Attributes:
+        own: this rank's own entry, where it has one with the settings every rank starts on (``None``: none).
     """
 
     def __init__(self, option: str | os.PathLike[str] | bool | None) -> None:
         self.option = None if option is True else option
         self.fields: dict[str, Any] | None = None
         self.fingerprint: float | None = None
+        self.own: dict[str, Any] | None = None
 
     @property
     def path(self) -> Path:
         return default_cache_path() if self.option is None else Path(str(self.option))
 
     def lookup(
-        self, loader: Any, cpus: float, device: Any, local_world_size: int, limits: dict[str, Any] | None = None
+        self,
+        loader: Any,
+        cpus: float,
+        device: Any,
+        local_world_size: int,
+        limits: dict[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> tuple[LoaderSettings, dict[str, Any]] | None:
         """The cached settings and entry for ``loader``, if its key matches and its samples cost the same."""
         if self.option is False:
             return None
-        self.fields = key_fields(loader, cpus, accelerator_name(device), local_world_size, limits)
+        accelerator = accelerator_name(device)
+        self.fields = key_fields(loader, cpus, accelerator, local_world_size, limits, rank, world_size)
         self.fingerprint = sample_cost_s(loader.dataset)
         hit = TuningCache(self.path).get(self.fields)
         if hit is None or not same_cost(hit[1].get("sample_cost_s"), self.fingerprint):
@@ -195,32 +243,55 @@ class RunCache:
         return hit
 
     def start(
-        self, state: Any, loader: Any, cpus: float, trainer: Any, limits: dict[str, Any], agree: Any = None
+        self, state: Any, loader: Any, cpus: float, trainer: Any, limits: dict[str, Any], agreement: Any = None
     ) -> LoaderSettings | None:
         """Start the tuning ``state`` of ``loader`` from its cached settings (``TuningState.start_from_cache``), where
-        it has not begun; returns them on a hit. ``agree(key, hit)``: every rank starts on the same config."""
+        it has not begun; returns them on a hit. Under DDP every rank starts on the same config: rank zero's hit,
+        where every rank's key but for its rank is the same (``agreement``'s
+        :meth:`~lightning_dltune.tuning.agree.Agreement.same_start`); :attr:`own` keeps this rank's own entry, which
+        ``agreement`` is told of (:meth:`~lightning_dltune.tuning.agree.Agreement.cached`)."""
         if not state.tuning or state.target is not None or state.trials:
             return None
-        hit = self.lookup(loader, cpus, trainer.strategy.root_device, trainer.num_devices, limits)
-        hit = hit if agree is None else agree(self.key, hit)
-        return hit[0] if hit is not None and state.start_from_cache(*hit) else None
+        rank, world = int(getattr(trainer, "global_rank", 0)), int(getattr(trainer, "world_size", 1))
+        own = self.lookup(loader, cpus, trainer.strategy.root_device, trainer.num_devices, limits, rank, world)
+        hit = own if agreement is None else agreement.same_start(self.key_apart_from_rank, own)
+        if hit is None or not state.start_from_cache(*hit):
+            return None
+        self.own = own[1] if own is not None and own[0] == hit[0] else None
+        if agreement is not None:
+            agreement.cached(self.own)
+        return hit[0]
 
-    def teach(self, state: Any) -> None:
-        """Remember what ``state`` (a ``TuningState`` whose tuning ended) settled on."""
+    def teach(self, state: Any, own: dict[str, Any] | None = None) -> None:
+        """Remember what ``state`` (a ``TuningState`` whose tuning ended) settled on; ``own``: what this rank's entry
+        keeps beside it under DDP (:meth:`~lightning_dltune.tuning.agree.Agreement.cache_extra`)."""
         settings = state.cacheable()
-        self.remember(settings, state.final_trial(settings) if settings else None, state.memory_limit)
+        self.remember(settings, state.final_trial(settings) if settings else None, state.memory_limit, own)
 
     @property
     def key(self) -> str:
-        """This run's key ("" before a lookup), for ranks to compare."""
+        """This run's key ("" before a lookup)."""
         return "" if self.fields is None else cache_key(self.fields)
+
+    @property
+    def key_apart_from_rank(self) -> str:
+        """This run's key without the rank ("" before a lookup), for ranks to compare."""
+        if self.fields is None:
+            return ""
+        return cache_key({k: v for k, v in self.fields.items() if k != "rank"})
 
     def forget(self) -> None:
         """Drop this run's entry."""
         if self.option is not False and self.fields is not None:
             TuningCache(self.path).drop(self.fields)
 
-    def remember(self, settings: LoaderSettings | None, trial: Trial | None, memory_limit: int | None = None) -> None:
+    def remember(
+        self,
+        settings: LoaderSettings | None,
+        trial: Trial | None,
+        memory_limit: int | None = None,
+        own: dict[str, Any] | None = None,
+    ) -> None:
         """Teach the cache ``settings``, measured by ``trial``, and the most workers the memory budget held
         (``memory_limit``, when a config went over it); an unmeasured result (a fallback after a failure) drops the
         entry instead: it would always "verify", and the entry it replaces may be the config that failed."""
@@ -228,7 +299,7 @@ class RunCache:
             self.forget()
         if self.option is False or self.fields is None or settings is None or trial is None:
             return
-        extra = {**entry_extra(trial), "sample_cost_s": self.fingerprint}
+        extra = {**entry_extra(trial), "sample_cost_s": self.fingerprint, **(own or {})}
         if memory_limit is not None:
             extra["memory_limit_workers"] = memory_limit
         TuningCache(self.path).put(self.fields, settings, extra)

@@ -165,7 +165,7 @@ class EvalTuner:
         self.name, self.policy, self.tune_iterable, self.window_steps = name, policy, tune_iterable, window_steps
         self.cache, self.limits = RunCache(cache), {**(limits or {}), "loop": name}
         self.budget: Budget | None = None
-        self._agree_start: Callable[[str, Any], Any] | None = None
+        self._agreement: Any = None  # the run's Agreement: every rank starts from the same cached config
         # called as each run of the loop (a pass, its loader's request and set-up included) begins and ends: in `fit`,
         # the train loader's measurement pauses (see `EvalLoaders.install`)
         self.around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None)
@@ -200,11 +200,11 @@ class EvalTuner:
         self._first_wait_s = 0.0  # the running pass's first fetch's wait
 
     # --- set-up ---------------------------------------------------------------------------------------------
-    def install(self, trainer: "pl.Trainer", budget: Budget, agree_start: Callable[[str, Any], Any]) -> None:
+    def install(self, trainer: "pl.Trainer", budget: Budget, agreement: Any) -> None:
         """A run of the loop begins (``fit``, ``validate``, ``test`` or ``predict``): route its loader requests, its
-        pass starts and its fetches here. A run held before tries its plan now. ``agree_start(key, hit)``: every
-        rank starts from the same cached config."""
-        self.budget, self._agree_start = budget, agree_start
+        pass starts and its fetches here. A run held before tries its plan now. ``agreement``: the run's
+        :class:`~lightning_dltune.tuning.agree.Agreement` (every rank starts from the same cached config)."""
+        self.budget, self._agreement = budget, agreement
         reloads = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         self.state.reloads = trainer.state.fn == "fit" and bool(reloads)
         if self.state.held is not None:
@@ -288,7 +288,7 @@ class EvalTuner:
             return
         assert self.trainer is not None
         limits = self.limits if len(loaders) == 1 else {**self.limits, "loaders": len(loaders)}
-        hit = self.cache.start(self.state, loaders[0], self.budget.cpus, self.trainer, limits, self._agree_start)
+        hit = self.cache.start(self.state, loaders[0], self.budget.cpus, self.trainer, limits, self._agreement)
         if hit is not None:
             rank_zero_info(f"DataLoaderTuner: the {self.name} loader starts from cached settings {hit.describe()}.")
 
@@ -716,7 +716,7 @@ class EvalLoaders:
         self.running = self.tuners.get(name)
         if self.running is not None:
             self.running.around = around
-            self.running.install(trainer, budget, agreement.same_start)
+            self.running.install(trainer, budget, agreement)
 
     def restore(self, stop_workers: bool = False) -> None:
         if self.running is not None:

@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 
+def ranks(entry: dict[str, Any]) -> str:
+    """A DDP rank's entry: which rank, and its own workers where the ranks ran their own."""
+    fields = entry.get("fields", {})
+    if "rank" not in fields:
+        return ""
+    own = entry.get("own_workers")
+    return f", rank {fields['rank']} of {fields.get('world_size')}" + (f" ({own} workers of its own)" if own else "")
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line (``dltune bench: error: ...``), not a usage block."""
 
@@ -121,7 +130,7 @@ def _cache(action: str, path: Path | None) -> int:
         print(
             f"  {entry.get('saved', '?')}  {fields.get('dataset')} (len {fields.get('dataset_len')}, batch "
             f"{fields.get('batch_size')}, {fields.get('accelerator')}): workers={settings.get('num_workers')} "
-            f"prefetch={settings.get('prefetch_factor')}" + (f", {rate:.0f} samples/s" if rate else "")
+            f"prefetch={settings.get('prefetch_factor')}" + (f", {rate:.0f} samples/s" if rate else "") + ranks(entry)
         )
     return 0
 

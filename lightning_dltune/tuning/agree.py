@@ -40,7 +40,9 @@ _MAX_FIELDS = (
 
 class Agreement:
     """The collectives of one ``fit``, over ``strategy`` (anything with ``world_size``, ``root_device``,
-    ``all_gather``, ``broadcast`` and ``reduce``, as Lightning's strategies have).
+    ``all_gather``, ``broadcast`` and ``reduce``, as Lightning's strategies have), deciding by ``policy``;
+    ``why_alike()``: why the train loader needs every rank alike (``None``: it need not; see
+    :func:`~lightning_dltune.switching.loader.ranks_alike`).
 
     Attributes:
         budget: the budget last agreed on (the tightest node's), ``None`` before the first decision.
@@ -48,12 +50,15 @@ class Agreement:
         rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
         own: this rank's own windows (its settings, its statistics), before the ranks' are reduced to one.
         widest: the widest spread of the ranks' stalls at a decision on the train loader.
+        share: this rank's own share's worker ceiling (``max_workers`` of its budget; ``None`` before a decision).
         rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
         alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
     """
 
-    def __init__(self, strategy: Any = None) -> None:
-        self.strategy = strategy
+    def __init__(
+        self, strategy: Any = None, policy: Policy = Policy(), why_alike: Callable[[], str | None] = lambda: None
+    ) -> None:
+        self.strategy, self.policy, self.why_alike = strategy, policy, why_alike
         self.budget: Budget | None = None
         self.rank_stalls: list[float] = []
         self.failures: list[LoaderSettings] = []
@@ -61,6 +66,7 @@ class Agreement:
         self.rank_workers: list[int] = []
         self.alike: str | None = None
         self.widest = 0.0
+        self.share: int | None = None
 
     @property
     def distributed(self) -> bool:
@@ -79,23 +85,30 @@ class Agreement:
     ) -> tuple[WindowStats, Budget, T]:
         """``choose`` on the most stalled rank's ``stats``, the tightest ``budget`` and every rank's ``failed`` config
         (one that failed on that rank alone since the last decision point), the same on every rank.
-        :attr:`failures` keeps the configs gathered; :attr:`own` this rank's window on ``running``."""
+        :attr:`failures` keeps the configs gathered; :attr:`own` this rank's window on ``running`` (the train
+        loader's config: an evaluation loop's agreement passes none). Where the ranks' stalls differ by more than
+        ``stall_threshold`` and they need not run alike (:attr:`why_alike`), the worker ceiling follows need: see
+        :func:`own_ceilings`."""
         if running is not None and stats.steps and self.distributed:
             self.own.append(Trial(running, stats))
         self.failures = [] if failed is None else [failed]
         if self.distributed:
-            stats, budget = self._reduce(stats, budget, failed)
-            if running is not None:  # the train loader's (an evaluation loop's agreement passes none)
-                self.widest = max(self.widest, self.stall_spread or 0.0)
+            pool = running is not None and self.why_alike() is None and not budget.users_ceiling
+            stats, budget = self._reduce(stats, budget, failed, pool)
         choice = choose(stats, budget, self.failures)
         if self.distributed:  # every rank must switch at the same step; once each runs its own count, their
             choice = self.strategy.broadcast(choice, src=0)  # own choices may differ: rank zero's, None included
         return stats, budget, choice
 
-    def _reduce(self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None) -> tuple[WindowStats, Budget]:
+    def _reduce(
+        self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None, pool: bool
+    ) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed)
+        self.share = budget.max_workers
+        need = own_need(self.own, budget, self.policy) if pool else 0
+        node = float(getattr(self.strategy, "node_rank", 0))
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, float(need)]
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
         col = _STATS_FIELDS.index
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
@@ -108,43 +121,59 @@ class Agreement:
         self.rank_stalls = [float(x) for x in stall]
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
-        self.failures = list(dict.fromkeys(f for r in table[:, n + 4 :].tolist() if (f := _decode(r)) is not None))
+        self.failures = list(
+            dict.fromkeys(f for r in table[:, n + 4 : n + 8].tolist() if (f := _decode(r)) is not None)
+        )
+        if pool:
+            self.widest = max(self.widest, self.stall_spread or 0.0)
+        ceiling, bound = self._ceiling(table[:, n:], int(tightest[1]), pool)
         self.budget = dataclasses.replace(
             budget,
             cpus=tightest[0],
-            max_workers=int(tightest[1]),
-            bound_by=budget.bound_by + " (tightest node)",
+            max_workers=ceiling,
+            bound_by=budget.bound_by + bound,
             memory_bytes=None if tightest[2] == inf else tightest[2],
             shm_bytes=None if tightest[3] == inf else tightest[3],
         )
         return WindowStats(**values), self.budget
 
+    def _ceiling(self, table: torch.Tensor, tightest: int, pool: bool) -> tuple[int, str]:
+        """The decision's worker ceiling, and what bounds it: the tightest rank's, or where the share follows need
+        (``pool`` and the ranks' stalls differ) the largest rank's own (:func:`own_ceilings`: once tuning ends each
+        rank runs its own count within its own, :func:`own_counts`). ``table``: every rank's limits, failure, node and
+        need."""
+        if not pool or self.widest <= self.policy.stall_threshold:
+            return tightest, " (tightest node)"
+        nodes, ceilings, needs = ([int(x) for x in table[:, i].tolist()] for i in (8, 1, 9))
+        own = own_ceilings(nodes, ceilings, needs)
+        if max(own) <= tightest:
+            return tightest, " (tightest node)"
+        return max(own), " (the neediest rank: its node's workers, less its neighbours' need)"
+
     def own_settings(
-        self, agreed: LoaderSettings, running: LoaderSettings, need: int, alike: str | None, threshold: float
+        self, agreed: LoaderSettings, running: LoaderSettings, need: int, alike: str | None, pool: bool
     ) -> tuple[LoaderSettings, bool]:
-        """This rank's settings once tuning ended on ``agreed``, and whether any rank's settings change: fewer
-        workers where its own windows ask for fewer (``need``, :func:`~lightning_dltune.tuning.rules.own_need`) and
-        the ranks' stalls differed by more than ``threshold`` in some window (:attr:`widest`); ``agreed`` where the
-        loader needs every rank alike (``alike``, the reason, kept in :attr:`alike`) or the ranks never differed.
-        Called by every rank at the same decision: each rank's count is gathered (:attr:`rank_workers`)."""
-        differ = self.widest > threshold
-        mine = agreed
-        if alike is None and differ and agreed.num_workers > 0 and need < agreed.num_workers:
-            mine = agreed.with_workers(need)
+        """This rank's settings once tuning ended on ``agreed``, and whether any rank's settings change. Where the
+        ranks' stalls differed by more than ``stall_threshold`` in some window (:attr:`widest`) and the loader need not
+        run alike (``alike``, the reason, kept in :attr:`alike`), each rank runs its count of :func:`own_counts` from
+        every rank's ``need`` (:func:`~lightning_dltune.tuning.rules.own_need`, within its own share), the share
+        following need where ``pool``; else ``agreed``. Called by every rank at the same decision: every rank's count
+        is kept in :attr:`rank_workers`."""
+        differ = self.widest > self.policy.stall_threshold
         self.alike = alike if differ else None
-        row = self._tensor([float(mine.num_workers), float(mine != running)])
-        table = self.strategy.all_gather(row).reshape(-1, 2).cpu()
-        self.rank_workers = [int(x) for x in table[:, 0].tolist()]
-        return mine, bool(table[:, 1].any())
+        share = float(self.share or agreed.num_workers)
+        row = self._tensor([float(need), float(getattr(self.strategy, "node_rank", 0)), share, running.num_workers])
+        table = self.strategy.all_gather(row).reshape(-1, 4).cpu()
+        needs, nodes, shares, runs = ([int(x) for x in table[:, i].tolist()] for i in range(4))
+        counts = [agreed.num_workers] * len(needs)
+        if alike is None and differ and agreed.num_workers > 0:
+            counts = own_counts(agreed.num_workers, nodes, shares, needs, pool)
+        self.rank_workers = counts
+        mine = agreed.with_workers(counts[int(getattr(self.strategy, "global_rank", 0))])
+        return mine, counts != runs or agreed.with_workers(running.num_workers) != running
 
     def own_change(
-        self,
-        change: Decision | None,
-        ended: bool,
-        running: LoaderSettings | None,
-        budget: Budget,
-        policy: Policy,
-        alike: str | None,
+        self, change: Decision | None, ended: bool, running: LoaderSettings | None, budget: Budget
     ) -> tuple[LoaderSettings | None, bool]:
         """The settings this rank switches to after an agreed decision (``change``: its loader change, if any;
         ``ended``: tuning ended with it), and whether every rank must reload (after a failure, or where some rank's
@@ -155,8 +184,9 @@ class Agreement:
         agreed = running if change is None else change.settings
         if not self.distributed or self.failures or not ended or agreed is None or running is None:
             return default
-        need = own_need(self.own, budget, policy)
-        mine, anyone = self.own_settings(agreed, running, need, alike, policy.stall_threshold)
+        share = budget if self.share is None else dataclasses.replace(budget, max_workers=self.share)
+        need = own_need(self.own, share, self.policy)
+        mine, anyone = self.own_settings(agreed, running, need, self.why_alike(), not budget.users_ceiling)
         return mine, anyone  # no rank changing: ``mine`` is the running settings, and nothing is rebuilt
 
     def resumed(self, agreed: LoaderSettings | None, counts: list[int]) -> LoaderSettings | None:
@@ -167,6 +197,23 @@ class Agreement:
             return agreed
         self.rank_workers = list(counts)
         return agreed.with_workers(counts[rank]) if counts[rank] != agreed.num_workers else agreed
+
+    def cache_extra(self) -> dict[str, Any]:
+        """What this rank's cache entry keeps beside the agreed settings under DDP: its own worker count (where the
+        ranks run their own) and the widest spread of the ranks' stalls (empty in a single process)."""
+        if not self.distributed:
+            return {}
+        rank = int(getattr(self.strategy, "global_rank", 0))
+        own = self.rank_workers[rank] if rank < len(self.rank_workers) else None
+        return {"own_workers": own, "stall_frac_spread": self.widest}
+
+    def cached(self, entry: dict[str, Any] | None) -> None:
+        """A start from this rank's cache ``entry`` (``RunCache.own``): the ranks' stalls differed as widely as when
+        it was cached, so the verification's settle gives each rank its own count again (:meth:`own_settings`). An
+        evaluation loop's entry keeps no spread (its ranks run alike)."""
+        spread = None if entry is None else entry.get("stall_frac_spread")
+        if self.distributed and isinstance(spread, (int, float)):
+            self.widest = max(self.widest, float(spread))
 
     def report(self) -> dict[str, Any]:
         """The report's part: the agreed budget, the ranks' stall spread, each rank's own workers and why not."""
@@ -206,6 +253,33 @@ class Agreement:
     def stall_spread(self) -> float | None:
         """Max minus min of :attr:`rank_stalls` (``None`` before they were gathered, and in a single process)."""
         return max(self.rank_stalls) - min(self.rank_stalls) if self.rank_stalls else None
+
+
+def own_ceilings(nodes: list[int], ceilings: list[int], needs: list[int]) -> list[int]:
+    """Each rank's worker ceiling where the share follows need: the rank that needs most on its node may have the
+    node's ceilings together less what the node's other ranks need (each within its own ceiling); every other rank
+    its own. By rank: ``nodes`` (its node), ``ceilings`` (its own share's ``max_workers``), ``needs`` (its own count,
+    :func:`~lightning_dltune.tuning.rules.own_need`, within its own ceiling)."""
+    own = list(ceilings)
+    for node in set(nodes):
+        ranks = [i for i, n in enumerate(nodes) if n == node]
+        neediest = max(ranks, key=lambda i: needs[i])
+        others = sum(min(needs[i], ceilings[i]) for i in ranks if i != neediest)
+        own[neediest] = max(ceilings[neediest], sum(ceilings[i] for i in ranks) - others)
+    return own
+
+
+def own_counts(agreed: int, nodes: list[int], shares: list[int], needs: list[int], pool: bool = True) -> list[int]:
+    """Each rank's worker count once tuning ended on ``agreed`` workers, where the ranks' stalls differed: the rank
+    that needs most on its node keeps the agreed count within its own ceiling (:func:`own_ceilings` where ``pool``,
+    its own share otherwise; the decisions were sized on it), every other rank the fewer its own windows ask for.
+    By rank: ``nodes``, ``shares`` (its own share's ``max_workers``) and ``needs`` (within its share)."""
+    ceilings = own_ceilings(nodes, shares, needs) if pool else list(shares)
+    counts = []
+    for i, node in enumerate(nodes):
+        neediest = max((j for j, n in enumerate(nodes) if n == node), key=lambda j: needs[j])
+        counts.append(min(agreed, ceilings[i]) if i == neediest else min(agreed, needs[i]))
+    return counts
 
 
 def _encode(settings: LoaderSettings | None) -> list[float]:

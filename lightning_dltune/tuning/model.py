@@ -40,6 +40,7 @@ class Budget:
     bound_by: str = "affinity"
     memory_bytes: float | None = None  # what workers and pinned buffers may add
     shm_bytes: float | None = None  # free /dev/shm, where batches cross from workers to the trainer
+    users_ceiling: bool = False  # ``max_workers`` is the user's: under DDP it is not pooled among a node's ranks
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,9 @@ def _with_memory_caps(
     # unmeasured, with the ceiling known, the workers are measured before a far jump (see decide); the prior caps
     # only a run that cannot say what its process holds
     if budget.memory_bytes is not None and (measured or ceiling is None):
-        limit = max(budget.max_workers, est.needed_workers, 1)
+        # up to every count measured too: a cap at the limit reads as "no more fit" (a ceiling that shrank between
+        # decisions, under DDP where the share follows need, made the running workers read as outgrowing memory)
+        limit = max(budget.max_workers, est.needed_workers, *(t.settings.num_workers for t in trials), 1)
         mem_cap = memory.max_workers(mem, budget.memory_bytes, life, ceiling, flight, limit)
         per_worker = memory.worker_bytes(mem, max(1, mem_cap), life, ceiling)
     shm_cap = None
