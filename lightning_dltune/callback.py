@@ -296,7 +296,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             self._window_steps(),
             self.state.judge_early(now, self.budget, on_gpu=self.probe.gpu is not None),
             left,
-            self.agreement.distributed,
+            self.agreement.any if self.agreement.distributed else None,
             lambda: self.agreement.largest(batches * now.mean_wall_s),
             lambda: self.state.undecided(now, self.agreement.distributed),
         ):
@@ -357,12 +357,12 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         ended = decision is not None and self.state.done  # then each rank its own count
         settings, everywhere = self.agreement.own_change(change, ended, self.state.current, budget)
         self.state.rank_workers = self.agreement.rank_workers  # checkpointed: each rank's back on resume
-        if settings is not None:  # after a failure, every rank reloads: Lightning's reload waits for them all
+        if settings is not None:  # under DDP, each rank's own count from the epoch end: every rank reloads together
             self._log(trainer)  # the steps not logged yet ran on the running config: logged under its settings
             behind = change is not None and self.state.starts_behind(
                 change, running, self.probe.batch_bytes, budget, ranks
             )
-            self.switcher.switch(settings, now, is_last_epoch(trainer), everywhere, behind)
+            self.switcher.switch(settings, now and not (ended and ranks), is_last_epoch(trainer), everywhere, behind)
         if decision is not None and self.state.done:
             self._tuning_ended(trainer)
 

@@ -3,7 +3,7 @@
 python tests/ddp_script.py OUT single       # 2 processes on one node (Lightning launches the second)
                                             # ... rank 1 loads at a sixth of rank 0's pace
 python tests/ddp_script.py OUT kill in_epoch  # the same, a worker of rank 1 killed in epoch 0
-python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 1
+python tests/ddp_script.py OUT head in_epoch  # stopped and checkpointed in the middle of epoch 2
 python tests/ddp_script.py OUT tail in_epoch CKPT  # resumed from that checkpoint
 NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node", each node launched by the test
 python tests/ddp_script.py OUT memory       # 4 workers per rank whose memory grows past the node's budget
@@ -31,11 +31,14 @@ class Record(pl.Callback):
         self.by_epoch: dict[int, list[int]] = {}
         self.sampler_epochs = []
         self.workers: list[int] = []  # the train loader's workers at each epoch's start
+        self.pids: list[list[int]] = []  # ... and their processes
 
     def on_train_epoch_start(self, trainer, pl_module):
         sampler = trainer.train_dataloader.batch_sampler.sampler
         self.sampler_epochs.append(sampler.epoch if isinstance(sampler, DistributedSampler) else None)
         self.workers.append(trainer.train_dataloader.num_workers)
+        tuner = next(c for c in trainer.callbacks if isinstance(c, DataLoaderTuner))
+        self.pids.append(sorted(tuner.switcher.worker_pids()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.by_epoch.setdefault(trainer.current_epoch, []).extend(int(i) for i in batch[2])
@@ -97,21 +100,25 @@ def main() -> None:
     # short windows only so that 12-step epochs hold several of them
     # the memory run's budget is the node's, split between its 2 ranks as DataLoaderTuner does: 72 MiB each
     memory = {"max_memory": 144 * 2**20} if kind == "memory" else {}
+    # the resumed run's own counts come back from a settled run: no deeper prefetch left to try, whose start would not
+    # pay in the steps left (a hold, which a resumed run tries on every rank alike)
+    memory.update({"max_prefetch": 2} if kind in ("head", "tail") else {})
     tuner = DataLoaderTuner(mode=mode, window_steps=5, min_steps=4, **memory)
     record = Record()
     extra = [KillOnRank1()] if kind == "kill" else []
     limits = {}
-    if kind == "head":  # stop and checkpoint at step 18: batch 6 of epoch 1 (12 batches per rank and epoch)
+    if kind == "head":  # stop and checkpoint at step 30: batch 6 of epoch 2 (12 batches per rank and epoch), once
+        # tuning settled (at step 18 a hold could end it: too few steps left to pay for a deeper prefetch)
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        extra.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=18, save_top_k=-1))
-        limits = {"max_steps": 18, "enable_checkpointing": True}
+        extra.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=30, save_top_k=-1))
+        limits = {"max_steps": 30, "enable_checkpointing": True}
     trainer = pl.Trainer(
         accelerator="cpu",
         strategy="ddp",
         devices=2,
         num_nodes=2 if kind == "node" else 1,
-        max_epochs=4 if kind == "memory" else 3,
+        max_epochs=4 if kind in ("memory", "head", "tail") else 3,
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
         logger=False,
@@ -146,6 +153,7 @@ def main() -> None:
         "alike": tuner.agreement.alike,
         "running": tuner.state.current.to_loader_kwargs(),  # this rank's settings at the end
         "workers_per_epoch": record.workers,
+        "pids_per_epoch": record.pids,
         "own_cpus": len(os.sched_getaffinity(0)),
         "agreed_cpus": None if tuner.agreed_budget is None else tuner.agreed_budget.cpus,
         "stall_spread": tuner.stall_spread,

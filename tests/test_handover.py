@@ -405,3 +405,47 @@ def test_a_switch_from_the_users_workers_to_0_between_epochs_keeps_every_later_e
     tuned = run(tmp_path / "b", tuner, "mixin", epochs=3, workers=2, extra=[zero])
     assert tuner.state.current.num_workers == 0
     assert tuned == reference
+
+
+class Counting(SyntheticDataModule):
+    """Counts the requests for its train loader."""
+
+    requests = 0
+
+    def train_dataloader(self):
+        self.requests += 1
+        return super().train_dataloader()
+
+
+class ReloadForTheOthers(pl.Callback):
+    """At the end of epoch 1, asks the switcher for the reload every rank makes under DDP when another rank's count
+    changes (``switch(..., everywhere=True)`` on this rank's own settings, as ``Agreement.own_change`` returns them);
+    the tuner's worker processes at each epoch's start."""
+
+    def __init__(self, tuner):
+        self.tuner, self.pids = tuner, []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.pids.append(sorted(self.tuner.switcher.worker_pids()))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            switcher = self.tuner.switcher
+            switcher.switch(self.tuner.state.current, now=False, last_epoch=False, everywhere=True)
+
+
+def test_a_rank_whose_settings_stay_goes_on_with_its_workers_through_the_reload_the_other_ranks_make(tmp_path):
+    # one process: the callback asks for the reload a DDP rank makes for the others (test_ddp checks it across ranks,
+    # where a rank stays only some runs); observe_only: no decision of the tuner's moves the loader meanwhile
+    tuner, orders = DataLoaderTuner(observe_only=True), {}
+    reload = ReloadForTheOthers(tuner)
+    for name, callbacks in (("tuned", [reload, tuner]), ("untuned", [])):
+        dm = Counting(SyntheticDataset(length=64), batch_size=16, num_workers=2, seed=3)
+        epochs = EpochIndices()
+        make_trainer(tmp_path / name, [*callbacks, epochs], max_epochs=3, logger=False).fit(
+            SimulatedModel(step_ms=1), datamodule=dm
+        )
+        orders[name] = (epochs.epochs, dm.requests)
+    assert orders["tuned"][1] == 2  # the reload was made: the user's hook was asked again
+    assert len(reload.pids[1]) == 2 and reload.pids[2] == reload.pids[1]  # the same worker processes went on
+    assert orders["tuned"][0] == orders["untuned"][0]  # every epoch trained what the untuned run trained

@@ -189,28 +189,33 @@ def test_batches_left(args, left):
 
 
 @pytest.mark.parametrize(
-    ("mode", "steps", "stall", "left", "distributed", "epoch_s", "closes"),
+    ("mode", "steps", "stall", "left", "other", "epoch_s", "closes"),
     [
-        ("in_epoch", 20, 0.1, 100, False, 1.0, True),  # a full window in in-epoch mode
-        ("in_epoch", 10, 0.1, 100, False, 1.0, False),  # not full yet
-        ("in_epoch", 20, 0.1, 5, False, 1.0, False),  # too close to the epoch's end: the epoch end judges
-        ("auto", 2, 0.9, 100, False, 1.0, True),  # plainly the loader beyond noise: close after 2 steps
-        ("auto", 1, 0.9, 100, False, 1.0, False),  # ... not after 1
-        ("auto", 8, 0.3, 100, False, 1.0, False),  # a close call waits for the epoch (or a full window)
-        ("auto", 8, 0.9, 100, True, 1.0, False),  # ... and never on a rank-local test under DDP
-        ("auto", 20, 0.1, 100, False, 1.0, False),  # a short epoch waits for its end
-        ("auto", 20, 0.1, 100, False, 120.0, True),  # a first window predicting a long epoch goes in-epoch
-        ("epoch", 20, 0.9, 100, False, 120.0, False),  # epoch mode never closes inside an epoch
+        ("in_epoch", 20, 0.1, 100, None, 1.0, True),  # a full window in in-epoch mode
+        ("in_epoch", 10, 0.1, 100, None, 1.0, False),  # not full yet
+        ("in_epoch", 20, 0.1, 5, None, 1.0, False),  # too close to the epoch's end: the epoch end judges
+        ("auto", 2, 0.9, 100, None, 1.0, True),  # plainly the loader beyond noise: close after 2 steps
+        ("auto", 1, 0.9, 100, None, 1.0, False),  # ... not after 1
+        ("auto", 8, 0.3, 100, None, 1.0, False),  # a close call waits for the epoch (or a full window)
+        ("auto", 8, 0.9, 100, False, 1.0, False),  # ... and under DDP never before a window's length (rank-local)
+        ("auto", 20, 0.9, 100, False, 1.0, True),  # under DDP, at a window's length, where this rank judges it
+        ("auto", 20, 0.1, 100, True, 1.0, True),  # ... or another rank does (its loader holds every rank up)
+        ("auto", 20, 0.1, 100, False, 1.0, False),  # ... not where no rank does
+        ("auto", 21, 0.9, 100, True, 1.0, False),  # ... and only at a multiple of it (no collective every step)
+        ("auto", 20, 0.1, 100, None, 1.0, False),  # a short epoch waits for its end
+        ("auto", 20, 0.1, 100, None, 120.0, True),  # a first window predicting a long epoch goes in-epoch
+        ("epoch", 20, 0.9, 100, None, 120.0, False),  # epoch mode never closes inside an epoch
     ],
 )
-def test_window_plan(mode, steps, stall, left, distributed, epoch_s, closes):
+def test_window_plan(mode, steps, stall, left, other, epoch_s, closes):
     plan = WindowPlan(mode=mode, window_steps=20, min_steps=8)
     plan.epoch_started(resumable=True, tuning=True, epoch_batches=120)
     asked = []
     state = started()
     stats = WindowStats(steps=steps, samples=16 * steps, wall_s=0.01 * steps, wait_s=stall * 0.01 * steps)
     early = state.judge_early(stats)
-    assert plan.close_in_epoch(steps, early, left, distributed, lambda: asked.append(1) or epoch_s) is closes
+    any_rank = None if other is None else lambda flag: flag or other  # DDP: the other rank judges it so, or not
+    assert plan.close_in_epoch(steps, early, left, any_rank, lambda: asked.append(1) or epoch_s) is closes
     assert len(asked) <= 1
 
 
@@ -229,7 +234,7 @@ def test_a_window_closes_at_an_epoch_end(steps, last_epoch, undecided, in_epoch,
     plan = WindowPlan(mode="auto", window_steps=20, min_steps=8, in_epoch=in_epoch)
     assert plan.close_at_epoch_end(steps, last_epoch, lambda: undecided) is closes
     if not undecided:  # and inside an epoch, an undecided window never closes
-        assert not plan.close_in_epoch(20, True, 100, False, lambda: 120.0, undecided=lambda: True)
+        assert not plan.close_in_epoch(20, True, 100, None, lambda: 120.0, undecided=lambda: True)
 
 
 def test_a_window_is_undecided_only_while_tuning_and_on_one_process():

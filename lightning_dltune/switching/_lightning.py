@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import _worker_loop
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
@@ -225,13 +225,55 @@ def set_train_reload_epoch(trainer: "pl.Trainer", epoch: float) -> None:
     trainer.fit_loop._last_train_dl_reload_epoch = epoch
 
 
-def request_train_reload(trainer: "pl.Trainer") -> None:
-    """Shut the current train loader's workers down and make the next epoch call ``train_dataloader()``."""
+def request_train_reload(trainer: "pl.Trainer", keep_workers: bool = False) -> None:
+    """Shut the current train loader's workers down (unless ``keep_workers``: the loader goes on through the reload,
+    see :func:`kept_through_reload`) and make the next epoch call ``train_dataloader()``."""
     fit_loop = trainer.fit_loop
-    if fit_loop._data_fetcher is not None:
+    if fit_loop._data_fetcher is not None and not keep_workers:
         fit_loop._data_fetcher.teardown()  # shuts the workers of every flattened loader down
     fit_loop._data_fetcher = None  # or fit teardown tears the torn-down fetcher down again and crashes
     fit_loop._combined_loader = None
+
+
+def keeps_workers(loader: Any) -> bool:
+    """Whether ``loader`` can go on through a reload with its workers: persistent ones, running."""
+    return (
+        isinstance(loader, DataLoader) and loader.persistent_workers and getattr(loader, "_iterator", None) is not None
+    )
+
+
+def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader:
+    """``loader`` (the one the fit loop ran, Lightning's distributed sampler in it) made to pass Lightning's reload as
+    it is: Lightning injects a ``DistributedSampler`` into a loader whose ``sampler`` is not one, and a loader with a
+    batch sampler of its own has PyTorch's default ``sampler`` beside it (the batch sampler holds Lightning's). Its
+    ``sampler`` is set to the batch sampler's (read by Lightning alone: the batches come from the batch sampler), so
+    the next ``iter()`` resets its persistent iterator instead of starting new workers. Lightning calls ``iter()``
+    twice in an epoch that reloads (``setup_data`` and the epoch loop): the first resets the iterator, its epoch-seeded
+    sampler set to the epoch first (Lightning sets it only after ``setup_data``), the second finds it fresh and keeps
+    it (see :func:`_reset_once_used`), so the epoch's order is drawn once, as without the reload."""
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(inner, DistributedSampler) and not isinstance(loader.sampler, DistributedSampler):
+        object.__setattr__(loader, "sampler", inner)  # past DataLoader's guard on setting it after __init__
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_reset"):
+        reset, ref = type(iterator)._reset, weakref.ref(iterator)
+
+        def reset_then_keep(loader: Any, first_iter: bool = False) -> None:
+            it: Any = ref()
+            if it is None:
+                return
+            _reset_as_pytorch_does(it)
+            # what Lightning sets after setup_data (its epoch progress is a processed-tracker at run time)
+            epoch = getattr(trainer.fit_loop.epoch_progress.current, "processed", trainer.current_epoch)
+            for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if set_epoch is not None:
+                    set_epoch(epoch)
+            reset(it, loader, first_iter)
+            _reset_once_used(it)
+
+        iterator._reset = reset_then_keep
+    return loader
 
 
 def loader_state_pending(trainer: "pl.Trainer", loader: Any) -> bool:

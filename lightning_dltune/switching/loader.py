@@ -74,9 +74,10 @@ class _Pending:
     settings: LoaderSettings | None = None
     in_background: bool = False
     at_epoch_end: bool = False
+    keep: DataLoader | None = None  # the running loader, which goes on through the reload with its workers
 
     def reset(self) -> None:
-        self.settings, self.in_background, self.at_epoch_end = None, False, False
+        self.settings, self.in_background, self.at_epoch_end, self.keep = None, False, False, None
 
 
 @dataclass
@@ -174,6 +175,7 @@ class LoaderSwitcher:
         self._guard_needed = False
         self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
         self._pending = _Pending()
+        self._kept: DataLoader | None = None  # the loader going on through the reload the tuner asked for
         self.background_starts = 0  # switches whose loader started in the background
         self.in_place = 0  # prefetch changes made on the running workers (no restart)
         self.grown = 0  # workers added to the running loader (only the added ones started)
@@ -228,8 +230,10 @@ class LoaderSwitcher:
         if stop_workers:
             self.shutdown()
         self._abandon()
+        if self._kept is not None:  # a fit that ended before the reload it asked for
+            _lightning.shutdown_workers(self._kept)
         self._pending.reset()
-        self._guarded = None
+        self._guarded, self._kept = None, None
         self.seamless.drop()
         for restore in reversed(self._restores):
             restore()
@@ -249,7 +253,7 @@ class LoaderSwitcher:
         for iterator in iterators:
             if iterator is not None:
                 _lightning.shutdown_iterator(iterator)
-        for loader in list(self._built):
+        for loader in [*self._built, *([self._kept] if self._kept is not None else [])]:
             _lightning.shutdown_workers(loader)
 
     def _tuner_sets_workers(self) -> bool:
@@ -270,6 +274,11 @@ class LoaderSwitcher:
         current = LoaderSettings.from_loader(loader)
         self.alike = ranks_alike(loader)
         self._random.next = self._as_untuned(loader)
+        kept, self._kept = self._kept, None
+        if kept is not None and self.trainer is not None and not self._random.next.asked:  # the tuner asked alone
+            return _lightning.kept_through_reload(kept, self.trainer)  # this rank's settings stay: its loader goes on
+        if kept is not None:  # Lightning reloads on its own too: the user's new loader is built, the kept one stops
+            _lightning.shutdown_workers(kept)
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
         if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self.tune_iterable:
@@ -394,7 +403,8 @@ class LoaderSwitcher:
         self, settings: LoaderSettings, now: bool, last_epoch: bool, everywhere: bool = False, behind: bool = False
     ) -> None:
         """Run on ``settings`` from the next fetch (``now``) or the next epoch (no-op if already on them).
-        ``everywhere``: reload at the next epoch even if this rank is on them already, as the other ranks do.
+        ``everywhere``: reload at the next epoch even if this rank is on them already, as the other ranks do (its
+        running loader goes on through the reload, its persistent workers with it: no restart).
         ``behind``: the new loader may start in the background while the running one serves a few more batches
         (both worker sets are alive for a while: the caller checked they fit)."""
         assert self.trainer is not None
@@ -407,6 +417,9 @@ class LoaderSwitcher:
             self._pending.settings, self._pending.in_background = settings, behind
         elif not last_epoch:
             self._pending.at_epoch_end = True  # at the epoch's end: a teardown now would end this epoch early
+            running = getattr(self.trainer, "train_dataloader", None)
+            if settings == self.state.current and _lightning.keeps_workers(running):
+                self._pending.keep = running
 
     @property
     def changes_in_place(self) -> bool:
@@ -517,8 +530,9 @@ class LoaderSwitcher:
         if pending.at_epoch_end and not last_epoch:
             assert self.trainer is not None
             self._random.asked_reload = _lightning.train_reload_epoch(self.trainer)
-            _lightning.request_train_reload(self.trainer)
-        pending.at_epoch_end = False
+            _lightning.request_train_reload(self.trainer, keep_workers=pending.keep is not None)
+            self._kept = pending.keep
+        pending.at_epoch_end, pending.keep = False, None
 
     def batch_done(self) -> None:
         self._startup.unserved, self._startup.spoiled = False, False

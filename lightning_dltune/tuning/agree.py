@@ -236,6 +236,10 @@ class Agreement:
             return None
         return self.strategy.broadcast(choice, src=0)
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        return self.largest(float(flag)) > 0
+
     def largest(self, value: float) -> float:
         """The largest ``value`` over the ranks."""
         if not self.distributed:

@@ -523,17 +523,21 @@ class WindowPlan:
         steps: int,
         early: bool,
         left: float,
-        distributed: bool,
+        any_rank: Callable[[bool], bool] | None,
         epoch_seconds: Callable[[], float],
         undecided: Callable[[], bool] = lambda: False,
     ) -> bool:
         """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be
-        judged already (:meth:`TuningState.judge_early`); ``epoch_seconds`` predicts the epoch's length (called
-        at most once a window, and on every rank alike); ``undecided()``: it runs on instead
-        (:meth:`TuningState.undecided`, asked only of a full or plainly judged window)."""
-        obvious = not distributed and early  # a rank-local test would split the ranks
+        judged already (:meth:`TuningState.judge_early`); ``any_rank(flag)``: whether ``flag`` holds on any rank
+        (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on
+        every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only of a full or
+        plainly judged window). Under DDP a window is judged early only as it reaches a multiple of ``window_steps``
+        (steps every rank counts alike), where any rank judges it so: a rank-local test would split the ranks."""
+        obvious = any_rank is None and early
         if not (steps >= self.window_steps or obvious) or undecided():
             return False
+        if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
+            obvious = steps % self.window_steps == 0 and any_rank(early)  # one collective a window's length
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
             self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S
         # long epochs switch every window; a short one once the loader is plainly the bottleneck
