@@ -558,3 +558,19 @@ def test_a_worker_that_dies_while_it_is_stopped_does_not_fail_the_shutdown():
     next(it)
     _lightning.shutdown_iterator(it)
     assert it._shutdown
+
+
+def test_a_loader_kept_through_a_reload_gets_no_distributed_sampler_injected():
+    # `kept_through_reload` relies on Lightning injecting a DistributedSampler only where a loader's `sampler` is
+    # not one: the loader a rank keeps (its batch sampler holding Lightning's) then passes the reload as it is
+    from torch.utils.data import DistributedSampler
+
+    from lightning_dltune.switching.switch import ResumableBatchSampler
+
+    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, logger=False, enable_progress_bar=False)
+    shard = DistributedSampler(list(range(8)), num_replicas=2, rank=0)
+    dl = DataLoader(list(range(8)), batch_sampler=ResumableBatchSampler(shard, batch_size=2, drop_last=False))
+    connector = trainer._data_connector
+    assert connector._requires_distributed_sampler(dl)  # PyTorch's default sampler beside the batch sampler
+    assert _lightning.kept_through_reload(dl, trainer) is dl
+    assert not connector._requires_distributed_sampler(dl) and dl.sampler is shard

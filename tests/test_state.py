@@ -197,11 +197,13 @@ def test_batches_left(args, left):
         ("auto", 2, 0.9, 100, None, 1.0, True),  # plainly the loader beyond noise: close after 2 steps
         ("auto", 1, 0.9, 100, None, 1.0, False),  # ... not after 1
         ("auto", 8, 0.3, 100, None, 1.0, False),  # a close call waits for the epoch (or a full window)
-        ("auto", 8, 0.9, 100, False, 1.0, False),  # ... and under DDP never before a window's length (rank-local)
-        ("auto", 20, 0.9, 100, False, 1.0, True),  # under DDP, at a window's length, where this rank judges it
-        ("auto", 20, 0.1, 100, True, 1.0, True),  # ... or another rank does (its loader holds every rank up)
-        ("auto", 20, 0.1, 100, False, 1.0, False),  # ... not where no rank does
-        ("auto", 21, 0.9, 100, True, 1.0, False),  # ... and only at a multiple of it (no collective every step)
+        ("auto", 8, 0.9, 100, False, 1.0, True),  # under DDP, at a power of two, where this rank judges it
+        ("auto", 16, 0.1, 100, True, 1.0, True),  # ... or another rank does (its loader holds every rank up)
+        ("auto", 16, 0.1, 100, False, 1.0, False),  # ... not where no rank does
+        ("auto", 4, 0.9, 100, True, 1.0, False),  # ... from min_steps on (not on the first steps' noise)
+        ("auto", 12, 0.9, 100, True, 1.0, False),  # ... only at a power of two or a window's length (no collective
+        ("auto", 21, 0.9, 100, True, 1.0, False),  # every step)
+        ("auto", 20, 0.9, 100, False, 1.0, True),  # ... the window's length
         ("auto", 20, 0.1, 100, None, 1.0, False),  # a short epoch waits for its end
         ("auto", 20, 0.1, 100, None, 120.0, True),  # a first window predicting a long epoch goes in-epoch
         ("epoch", 20, 0.9, 100, None, 120.0, False),  # epoch mode never closes inside an epoch

@@ -531,13 +531,16 @@ class WindowPlan:
         judged already (:meth:`TuningState.judge_early`); ``any_rank(flag)``: whether ``flag`` holds on any rank
         (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on
         every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only of a full or
-        plainly judged window). Under DDP a window is judged early only as it reaches a multiple of ``window_steps``
-        (steps every rank counts alike), where any rank judges it so: a rank-local test would split the ranks."""
+        plainly judged window). Under DDP a window is judged early only as its steps (which every rank counts alike)
+        reach a power of two or a multiple of ``window_steps`` from ``min_steps`` on (the most stalled rank's window is
+        the one judged: not on its first steps' noise), where any rank judges it so: a rank-local test would split the
+        ranks, and a few collectives a window are all the tuner adds."""
         obvious = any_rank is None and early
+        if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
+            due = steps >= self.min_steps and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
+            obvious = due and any_rank(early)
         if not (steps >= self.window_steps or obvious) or undecided():
             return False
-        if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
-            obvious = steps % self.window_steps == 0 and any_rank(early)  # one collective a window's length
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
             self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S
         # long epochs switch every window; a short one once the loader is plainly the bottleneck
