@@ -342,7 +342,9 @@ def test_a_reload_the_tuner_asks_for_leaves_lightnings_own_reload_schedule_as_it
 
     asked = []  # the epochs the tuner reloads at (it asks at the end of the one before)
     request = _lightning.request_train_reload
-    monkeypatch.setattr(_lightning, "request_train_reload", lambda t: (asked.append(t.current_epoch + 1), request(t)))
+    monkeypatch.setattr(
+        _lightning, "request_train_reload", lambda t, **kw: (asked.append(t.current_epoch + 1), request(t, **kw))
+    )
     calls = []
     for callbacks in ([], [DataLoaderTuner(mode="epoch")]):  # epoch mode: its switches are reloads
         # without the tuner, only the hook's calls are read: its samples load and its steps run at once
