@@ -31,7 +31,7 @@ from lightning_dltune.tools.synthetic import (
 )
 from lightning_dltune.tuning.memory import MiB
 
-from sections import write_results, write_section
+from sections import QUIET, publish, write_results
 
 HERE = Path(__file__).resolve().parent
 BUDGET = 600 * MiB
@@ -43,10 +43,7 @@ def run(dataset: PythonObjectsDataset, workers: int, epochs: int, tuner: DataLoa
     trainer = pl.Trainer(
         max_epochs=epochs,
         callbacks=[tuner] if tuner else [],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     t0 = time.perf_counter()
     with WorkerMemoryWatch() as watch:
@@ -111,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         f"from 0 workers (target: peak at most 1.05x the budget). The workers' total unique memory, sampled every "
         f"250 ms by the benchmark: " + "; ".join(parts) + "."
     )
-    print("\n" + section)
-    if args.write_md:
-        write_section("memory", section)
+    publish("memory", section, args.write_md)
     return 0
 
 

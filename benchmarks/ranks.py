@@ -41,6 +41,8 @@ def child(out: Path, config: str) -> None:
     from lightning_dltune import DataLoaderTuner
     from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
+    from sections import QUIET
+
     warnings.filterwarnings("ignore")
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     workers, prefetch = (0, None) if config in ("default", "tuner") else tuple(json.loads(config))
@@ -53,10 +55,7 @@ def child(out: Path, config: str) -> None:
         devices=2,
         max_epochs=EPOCHS,
         callbacks=[tuner] if tuner else [],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     model = SimulatedModel(step_ms=STEP_MS)
     t0 = time.perf_counter()
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(Path(args.child[0]), args.child[1])
         return 0
-    from sections import write_results, write_section
+    from sections import publish, write_results
 
     cpus = len(os.sched_getaffinity(0))
     thumb = (max(1, min(8, cpus // 2)), 2)
@@ -146,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k} {v:.1f} s" for k, v in grid.items())
         + "."
     )
-    print("\n" + section)
-    if args.write_md:
-        write_section("ranks", section)
+    publish("ranks", section, args.write_md)
     return 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+# a benchmark's Trainer writes and prints nothing of its own
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def write_results(out: Path, name: str, results: Any) -> Path:
@@ -27,3 +29,10 @@ def write_section(name: str, section: str, path: Path = BENCHMARKS_MD) -> None:
     else:
         text = text.replace("<!-- results -->", block + "\n\n<!-- results -->", 1)
     path.write_text(text)
+
+
+def publish(name: str, section: str, write_md: bool) -> None:
+    """Print a benchmark's ``section`` and, with ``write_md``, write it into BENCHMARKS.md under ``name``."""
+    print("\n" + section)
+    if write_md:
+        write_section(name, section)
