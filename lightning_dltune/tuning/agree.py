@@ -91,6 +91,8 @@ class Agreement:
         :func:`own_ceilings`."""
         if running is not None and stats.steps and self.distributed:
             self.own.append(Trial(running, stats))
+        if running is not None:  # the train loader's share (an evaluation loop's budget is its own)
+            self.share = budget.max_workers
         self.failures = [] if failed is None else [failed]
         if self.distributed:
             pool = running is not None and self.why_alike() is None and not budget.users_ceiling
@@ -105,7 +107,6 @@ class Agreement:
     ) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        self.share = budget.max_workers
         need = own_need(self.own, budget, self.policy) if pool else 0
         node = float(getattr(self.strategy, "node_rank", 0))
         row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, float(need)]
