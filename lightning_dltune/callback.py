@@ -362,7 +362,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             behind = change is not None and self.state.starts_behind(
                 change, running, self.probe.batch_bytes, budget, ranks
             )
-            self.switcher.switch(settings, now and not (ended and ranks), is_last_epoch(trainer), everywhere, behind)
+            self.switcher.switch(settings, now and not self.agreement.later, is_last_epoch(trainer), everywhere, behind)
         if decision is not None and self.state.done:
             self._tuning_ended(trainer)
 

@@ -167,13 +167,15 @@ def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary(
 
 
 class TwoRanksCounts(FakeStrategy):
-    """Gathers each rank's need, node, share and running workers: this rank's (which a ``meta`` tensor cannot show)
-    as ``mine``, the other rank's: it needs its whole share of 8 workers, and runs 8."""
+    """Gathers each rank's need, node, share, running workers and widest stall spread: this rank's (which a ``meta``
+    tensor cannot show) as ``mine``, the other rank's: it needs its whole share of 8 workers, and runs 8."""
+
+    other_widest = 0.0  # the widest spread of the ranks' stalls the other rank saw
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
-        return torch.tensor([self.mine, [8.0, 0.0, 8.0, 8.0]], dtype=torch.float64)
+        return torch.tensor([self.mine, [8.0, 0.0, 8.0, 8.0, self.other_widest]], dtype=torch.float64)
 
 
 def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_them():
@@ -190,7 +192,7 @@ def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_t
     agreement.own = [trial(0, 16, 10, fetch_cpu_ms=1), trial(8, 0.1, 10)]
     need = own_need(agreement.own, budget, policy)
     assert 1 <= need < 8
-    strategy.mine = [float(need), 0.0, 8.0, 8.0]
+    strategy.mine = [float(need), 0.0, 8.0, 8.0, 0.4]
     agreement.widest = 0.4  # the ranks' stalls differed beyond the threshold in some window
     settings, everywhere = agreement.own_change(settle, True, eight, budget)
     assert settings == eight.with_workers(need) and everywhere
@@ -198,15 +200,20 @@ def test_once_tuning_ended_a_rank_whose_own_windows_ask_for_fewer_workers_runs_t
     # a hold (no loader change) ends tuning too: the same
     assert agreement.own_change(None, True, eight, budget) == (eight.with_workers(need), True)
     # a loader that needs every rank alike keeps the agreed settings, and says why
-    strategy.mine, alike[0] = [8.0, 0.0, 8.0, 8.0], "litdata lays"
+    strategy.mine, alike[0] = [8.0, 0.0, 8.0, 8.0, 0.4], "litdata lays"
     assert agreement.own_change(settle, True, eight, budget) == (eight, False)
     assert agreement.report()["ranks_alike"] == "litdata lays"
     # nobody changes: the running settings, nothing rebuilt
     assert agreement.own_change(None, True, eight, budget) == (eight, False)
     # ranks whose stalls never differed beyond the threshold run alike
-    agreement.widest, alike[0] = 0.03, None
+    agreement.widest, alike[0], strategy.mine = 0.03, None, [8.0, 0.0, 8.0, 8.0, 0.03]
     assert agreement.own_change(settle, True, eight, budget) == (eight, False)
     assert agreement.report()["ranks_alike"] is None
+    # ... unless another rank saw them differ (a start from the cache primes only the ranks with their own entry):
+    # every rank decides on the widest spread any rank saw, or one would reload alone and wait at Lightning's barrier
+    strategy.mine, strategy.other_widest = [float(need), 0.0, 8.0, 8.0, 0.03], 0.4
+    assert agreement.own_change(settle, True, eight, budget) == (eight.with_workers(need), True)
+    assert agreement.widest == 0.4
     # while tuning goes on, a decision is agreed as it is, with no collective
     calls = len(strategy.calls)
     trial_decision = Decision("try", eight, "the jump")

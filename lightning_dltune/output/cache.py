@@ -94,8 +94,9 @@ class TuningCache:
 
     def clear(self) -> int:
         """Remove the cache file; the number of entries it held."""
-        count = len(self._entries())
-        self.path.unlink(missing_ok=True)
+        with self._locked():
+            count = len(self._entries())
+            self.path.unlink(missing_ok=True)
         return count
 
     def drop(self, fields: dict[str, Any]) -> None:

@@ -410,6 +410,7 @@ class LoaderSwitcher:
         assert self.trainer is not None
         self.state.target = settings  # this rank's own, where ranks differ (``Agreement.own_change``)
         self.aim(settings)
+        self._pending.keep = None  # set below where this rank's loader goes on through the reload
         same = settings == self.state.current and not (everywhere and not now)
         if same or (not everywhere and self._in_place(settings, grow=now or not last_epoch)):  # nothing to build
             self._pending.reset()

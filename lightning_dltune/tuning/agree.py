@@ -67,6 +67,7 @@ class Agreement:
         self.alike: str | None = None
         self.widest = 0.0
         self.share: int | None = None
+        self.later = False  # the latest own change waits for the epoch's end (see own_change)
 
     @property
     def distributed(self) -> bool:
@@ -96,14 +97,14 @@ class Agreement:
         self.failures = [] if failed is None else [failed]
         if self.distributed:
             pool = running is not None and self.why_alike() is None and not budget.users_ceiling
-            stats, budget = self._reduce(stats, budget, failed, pool)
+            stats, budget = self._reduce(stats, budget, failed, running is not None, pool)
         choice = choose(stats, budget, self.failures)
         if self.distributed:  # every rank must switch at the same step; once each runs its own count, their
             choice = self.strategy.broadcast(choice, src=0)  # own choices may differ: rank zero's, None included
         return stats, budget, choice
 
     def _reduce(
-        self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None, pool: bool
+        self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None, train: bool, pool: bool
     ) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
@@ -125,7 +126,7 @@ class Agreement:
         self.failures = list(
             dict.fromkeys(f for r in table[:, n + 4 : n + 8].tolist() if (f := _decode(r)) is not None)
         )
-        if pool:
+        if train:  # the train loader's (an evaluation loop's agreement passes no running config)
             self.widest = max(self.widest, self.stall_spread or 0.0)
         ceiling, bound = self._ceiling(table[:, n:], int(tightest[1]), pool)
         self.budget = dataclasses.replace(
@@ -160,12 +161,13 @@ class Agreement:
         every rank's ``need`` (:func:`~lightning_dltune.tuning.rules.own_need`, within its own share), the share
         following need where ``pool``; else ``agreed``. Called by every rank at the same decision: every rank's count
         is kept in :attr:`rank_workers`."""
+        share, node = float(self.share or agreed.num_workers), float(getattr(self.strategy, "node_rank", 0))
+        row = self._tensor([float(need), node, share, running.num_workers, self.widest])
+        table = self.strategy.all_gather(row).reshape(-1, 5).cpu()
+        needs, nodes, shares, runs = ([int(x) for x in table[:, i].tolist()] for i in range(4))
+        self.widest = float(table[:, 4].max())  # every rank's (a start from the cache primes only a rank's own)
         differ = self.widest > self.policy.stall_threshold
         self.alike = alike if differ else None
-        share = float(self.share or agreed.num_workers)
-        row = self._tensor([float(need), float(getattr(self.strategy, "node_rank", 0)), share, running.num_workers])
-        table = self.strategy.all_gather(row).reshape(-1, 4).cpu()
-        needs, nodes, shares, runs = ([int(x) for x in table[:, i].tolist()] for i in range(4))
         counts = [agreed.num_workers] * len(needs)
         if alike is None and differ and agreed.num_workers > 0:
             counts = own_counts(agreed.num_workers, nodes, shares, needs, pool)
@@ -180,11 +182,13 @@ class Agreement:
         ``ended``: tuning ended with it), and whether every rank must reload (after a failure, or where some rank's
         settings change: Lightning's reload waits for them all). Once tuning ended each rank runs its own count
         (:meth:`own_settings`, from its own windows, :attr:`own`), its running settings where no rank changes;
-        ``None`` while tuning goes on without a loader change."""
+        ``None`` while tuning goes on without a loader change. :attr:`later`: the change waits for the epoch's end (own
+        counts alone: a rank-local switch inside an epoch, then a seamless carry, left that rank an empty epoch)."""
         default = (None if change is None else change.settings), bool(self.failures)
-        agreed = running if change is None else change.settings
+        agreed, self.later = (running if change is None else change.settings), False
         if not self.distributed or self.failures or not ended or agreed is None or running is None:
             return default
+        self.later = change is None  # own counts alone wait for the epoch's end (an agreed change is made at once)
         share = budget if self.share is None else dataclasses.replace(budget, max_workers=self.share)
         need = own_need(self.own, share, self.policy)
         mine, anyone = self.own_settings(agreed, running, need, self.why_alike(), not budget.users_ceiling)
