@@ -257,6 +257,8 @@ def test_a_resumed_rank_gets_its_own_count_back_from_the_checkpoint_of_a_settled
         ([0, 0, 0, 0], [4, 4, 4, 4], [1, 2, 4, 1], [4, 4, 12, 4], [1, 2, 12, 1], [1, 2, 4, 1]),
         # each node's pool is its own
         ([0, 0, 1, 1], [8, 8, 4, 4], [2, 8, 4, 1], [8, 14, 7, 4], [2, 12, 7, 1], [2, 8, 4, 1]),
+        # never past the default ceiling's 64 workers for one process, however much its node leaves
+        ([0, 0, 0], [48, 48, 48], [1, 1, 48], [48, 48, 64], [1, 1, 12], [1, 1, 12]),
     ],
 )
 def test_the_rank_that_needs_most_on_its_node_gets_what_the_node_s_other_ranks_leave(

@@ -155,9 +155,12 @@ def cpu_budget(root: str | os.PathLike[str] = "/", local_world_size: int = 1) ->
     return CpuBudget(cpus=max(cpus, 0.5), bound_by=bound_by)
 
 
+MOST_WORKERS = 64  # the default ceiling's bound for one process, however many CPUs it has (or a node pools for it)
+
+
 def default_max_workers(cpus: float) -> int:
-    """Ceiling for I/O-bound loaders: 8 workers per CPU, at least 4, at most 64."""
-    return max(4, min(64, int(8 * cpus)))
+    """Ceiling for I/O-bound loaders: 8 workers per CPU, at least 4, at most :data:`MOST_WORKERS`."""
+    return max(4, min(MOST_WORKERS, int(8 * cpus)))
 
 
 def make_budget(cpu: CpuBudget, max_workers: int | None, max_prefetch: int) -> Budget:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lightning_dltune.measurement.budget import MOST_WORKERS
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial
@@ -266,7 +267,8 @@ class Agreement:
 
 def own_ceilings(nodes: list[int], ceilings: list[int], needs: list[int]) -> list[int]:
     """Each rank's worker ceiling where the share follows need: the rank that needs most on its node may have the
-    node's ceilings together less what the node's other ranks need (each within its own ceiling); every other rank
+    node's ceilings together less what the node's other ranks need (each within its own ceiling), up to the default
+    ceiling's bound for one process (:data:`~lightning_dltune.measurement.budget.MOST_WORKERS`); every other rank
     its own. By rank: ``nodes`` (its node), ``ceilings`` (its own share's ``max_workers``), ``needs`` (its own count,
     :func:`~lightning_dltune.tuning.rules.own_need`, within its own ceiling)."""
     own = list(ceilings)
@@ -274,7 +276,7 @@ def own_ceilings(nodes: list[int], ceilings: list[int], needs: list[int]) -> lis
         ranks = [i for i, n in enumerate(nodes) if n == node]
         neediest = max(ranks, key=lambda i: needs[i])
         others = sum(min(needs[i], ceilings[i]) for i in ranks if i != neediest)
-        own[neediest] = max(ceilings[neediest], sum(ceilings[i] for i in ranks) - others)
+        own[neediest] = max(ceilings[neediest], min(MOST_WORKERS, sum(ceilings[i] for i in ranks) - others))
     return own
 
 
