@@ -270,11 +270,6 @@ class RunCache:
         self.remember(settings, state.final_trial(settings) if settings else None, state.memory_limit, own)
 
     @property
-    def key(self) -> str:
-        """This run's key ("" before a lookup)."""
-        return "" if self.fields is None else cache_key(self.fields)
-
-    @property
     def key_apart_from_rank(self) -> str:
         """This run's key without the rank ("" before a lookup), for ranks to compare."""
         if self.fields is None:

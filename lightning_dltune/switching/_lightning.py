@@ -250,7 +250,10 @@ def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader
     the next ``iter()`` resets its persistent iterator instead of starting new workers. Lightning calls ``iter()``
     twice in an epoch that reloads (``setup_data`` and the epoch loop): the first resets the iterator, its epoch-seeded
     sampler set to the epoch first (Lightning sets it only after ``setup_data``), the second finds it fresh and keeps
-    it (see :func:`_reset_once_used`), so the epoch's order is drawn once, as without the reload."""
+    it (see :func:`_reset_once_used`), so the epoch's order is drawn once, as without the reload (as
+    :func:`reset_ahead` does for an evaluation loop's pass, at the reset Lightning asks for)."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
     inner = getattr(loader.batch_sampler, "sampler", None)
     if isinstance(inner, DistributedSampler) and not isinstance(loader.sampler, DistributedSampler):
         object.__setattr__(loader, "sampler", inner)  # past DataLoader's guard on setting it after __init__
@@ -264,11 +267,9 @@ def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader
                 return
             _reset_as_pytorch_does(it)
             # what Lightning sets after setup_data (its epoch progress is a processed-tracker at run time)
-            epoch = getattr(trainer.fit_loop.epoch_progress.current, "processed", trainer.current_epoch)
-            for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-                set_epoch = getattr(sampler, "set_epoch", None)
-                if set_epoch is not None:
-                    set_epoch(epoch)
+            _set_sampler_epoch(
+                loader, getattr(trainer.fit_loop.epoch_progress.current, "processed", trainer.current_epoch)
+            )
             reset(it, loader, first_iter)
             _reset_once_used(it)
 
