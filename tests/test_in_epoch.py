@@ -320,7 +320,7 @@ def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tm
     class M(SimulatedModel):
         def train_dataloader(self):
             return DataLoader(
-                SyntheticDataset(length=960, latency_ms=2.0),  # long enough that a switch pays for its start
+                SyntheticDataset(length=640, latency_ms=20.0),  # 2 workers stall even on a busy host; a switch pays
                 batch_size=8,
                 shuffle=True,
                 num_workers=2,  # non-persistent: the loader does not hold its iterator
@@ -334,7 +334,8 @@ def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tm
     configs = [t.settings.num_workers for t in tuner.trials]
     assert len(set(configs)) >= 2, tuner.trials  # it switched inside the epoch
     seen = [int(n) for n in counts.read_text().split()]
-    # as each worker starts: the old set beside it only when the switch adds workers
+    # as each worker starts: the old set beside it only when the switch adds workers (a start the epoch's end cut
+    # short is no trial, but was seen beside the serving loader at a batch)
     beside = [b + (a if b > a else 0) for a, b in pairwise(configs)]
-    assert max(seen) <= max([configs[0], *beside]), (seen, configs)
+    assert max(seen) <= max([configs[0], *beside, *(expected for _, expected in children.seen)]), (seen, configs)
     assert all(alive == expected for alive, expected in children.seen), children.seen
