@@ -146,6 +146,8 @@ def main() -> None:
     val = tuner.evals.tuners["val"].state
     result = {
         "rank": trainer.global_rank,
+        "pid": os.getpid(),
+        "cpu_apart": tuner.probe.apart,  # the ranks this one launched, whose CPU is not its loader's
         "world_size": trainer.world_size,
         "best_settings": tuner.best_settings,
         "trials": [t.settings.to_loader_kwargs() for t in tuner.trials],

@@ -85,6 +85,8 @@ def test_two_processes_agree_without_hanging(tmp_path, mode):
     # the decisions were agreed (sized on rank 1); once tuning ended, rank 0 runs the fewer workers its own windows
     # ask for, rank 1 at most the agreed count, and every epoch's shard above is still exact on both
     r0, r1 = results
+    # rank 0 launched rank 1 (Lightning's subprocess launcher): its workers' CPU leaves rank 1's process tree out
+    assert r0["cpu_apart"] == [r1["pid"]] and r1["cpu_apart"] == []
     counts = r0["rank_workers"]
     assert r1["rank_workers"] == counts and len(counts) == 2 and counts[0] < counts[1], counts
     assert r1["running"]["num_workers"] == counts[1] <= r1["best_settings"]["num_workers"]

@@ -574,3 +574,16 @@ def test_a_loader_kept_through_a_reload_gets_no_distributed_sampler_injected():
     assert connector._requires_distributed_sampler(dl)  # PyTorch's default sampler beside the batch sampler
     assert _lightning.kept_through_reload(dl, trainer) is dl
     assert not connector._requires_distributed_sampler(dl) and dl.sampler is shard
+
+
+def test_the_ranks_a_ddp_launcher_starts_are_in_its_procs():
+    # `launched_ranks` reads the subprocess launcher's `procs` (the DDP test checks rank 0 finds rank 1 there)
+    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, logger=False, enable_progress_bar=False)
+    assert trainer.strategy.launcher.procs == [] and _lightning.launched_ranks(trainer) == []
+
+    class Launched:
+        pid = 4242
+
+    trainer.strategy.launcher.procs.append(Launched())
+    assert _lightning.launched_ranks(trainer) == [4242]
+    assert _lightning.launched_ranks(pl.Trainer(accelerator="cpu", devices=1, logger=False)) == []  # no launcher

@@ -11,6 +11,7 @@ from lightning_dltune._stats import few
 from lightning_dltune.measurement.measure import (
     StepTimer,
     WindowStats,
+    _psutil_descendants,
     _stat_cpu_seconds,
     descendants,
     process_cpu_seconds,
@@ -431,6 +432,16 @@ def test_cpu_seconds_count_live_children_found_through_proc():
         while process_cpu_seconds()[1] - kids0 < 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert process_cpu_seconds()[1] - kids0 >= 0.5  # both children's 0.3 s, while they are alive
+        # a child apart (another rank Lightning launched from this process) is left out, by either walk
+        one = procs[0].pid
+        assert process_cpu_seconds(apart=[one])[1] - kids0 == pytest.approx(
+            process_cpu_seconds()[1] - kids0 - 0.3, abs=0.1
+        )
+        assert (
+            set(_psutil_descendants(psutil.Process(), [one]))
+            == set(descendants(os.getpid(), [one]))
+            == set(found) - {one}
+        )
         # this process read through psutil, as through os.times()
         main, _ = process_cpu_seconds(psutil.Process())
         assert main == pytest.approx(process_cpu_seconds()[0], abs=0.05)

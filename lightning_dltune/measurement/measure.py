@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -569,9 +569,10 @@ class StepTimer:
         return stats
 
 
-def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
+def process_cpu_seconds(process: Any = None, apart: Collection[int] = ()) -> tuple[float, float]:
     """CPU seconds used so far by this process and by its child processes, reaped and live (the workers, and a
-    forkserver with the workers it started and reaped)."""
+    forkserver with the workers it started and reaped). ``apart``: live children not counted, nor their descendants
+    (the other ranks Lightning's launcher started from this process: their steps and workers are their own)."""
     import psutil
 
     if process is None:  # this process: os.times() reads what psutil would, without building a Process (~50 us)
@@ -580,9 +581,9 @@ def process_cpu_seconds(process: Any = None) -> tuple[float, float]:
     else:
         times = process.cpu_times()
         main, children, pid = times.user + times.system, times.children_user + times.children_system, process.pid
-    pids = descendants(pid)
+    pids = descendants(pid, apart)
     if pids is None:
-        pids = [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        pids = _psutil_descendants(psutil.Process(pid), apart)
     for kid in pids:
         # what a live child reaped is its own: counted once, here (a live grandchild is counted in the walk)
         spent = _stat_cpu_seconds(kid)
@@ -613,10 +614,22 @@ def _stat_cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def descendants(pid: int) -> list[int] | None:
+def _psutil_descendants(process: Any, apart: Collection[int]) -> list[int]:
+    """:func:`descendants` through psutil (a scan of ``/proc``)."""
+    import psutil
+
+    try:
+        kids = [kid for kid in process.children() if kid.pid not in apart]
+    except psutil.Error:
+        return []
+    return [k for kid in kids for k in (kid.pid, *_psutil_descendants(kid, apart))]
+
+
+def descendants(pid: int, apart: Collection[int] = ()) -> list[int] | None:
     """The live descendants of ``pid``, from the kernel's per-thread ``/proc/PID/task/TID/children`` lists: tens
     of microseconds, where finding them by parent scans all of ``/proc`` (milliseconds on a busy host, at every
-    window). ``None`` where the kernel keeps no such lists (then ask psutil)."""
+    window). ``None`` where the kernel keeps no such lists (then ask psutil). ``apart``: children left out, with
+    their descendants."""
     found: list[int] = []
     todo = [pid]
     while todo:
@@ -632,7 +645,7 @@ def descendants(pid: int) -> list[int] | None:
         for tid in tids:
             try:
                 with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
+                    kids = [int(k) for k in f.read().split() if int(k) not in apart]
             except OSError:  # the thread ended
                 continue
             found += kids

@@ -328,10 +328,14 @@ class Probe:
     Args:
         worker_pids: the PIDs of the running train loader's workers (asked by the memory readings).
         clock, cpu_clock, step_cpu_clock: as for :class:`~lightning_dltune.measurement.measure.StepTimer`.
-        cpu_seconds: ``() -> (this process, its children)`` CPU seconds.
+        cpu_seconds: ``() -> (this process, its children)`` CPU seconds (the default leaves out :attr:`apart`).
         memory_of: ``(pids) -> [bytes]``, each worker's unique memory.
         footprint: ``() -> bytes`` this process holds (what a forked worker can come to hold).
         memory_interval_s: how often the workers' memory is read during a window.
+
+    Attributes:
+        apart: child processes whose CPU is not this process's loading, with their descendants: the other ranks
+            Lightning's launcher started from this one (set when a loader is installed).
     """
 
     def __init__(
@@ -339,14 +343,15 @@ class Probe:
         worker_pids: Callable[[], list[int]] = list,
         clock: Clock = time.perf_counter,
         cpu_clock: Clock = time.thread_time,
-        cpu_seconds: Callable[[], tuple[float, float]] = process_cpu_seconds,
+        cpu_seconds: Callable[[], tuple[float, float]] | None = None,
         step_cpu_clock: Clock | None = time.process_time,
         memory_of: Callable[[list[int]], list[float]] = worker_uss,
         footprint: Callable[[], float] = own_footprint,
         memory_interval_s: float = 0.25,
     ) -> None:
         self._clock, self._cpu_clock, self._step_cpu_clock = clock, cpu_clock, step_cpu_clock
-        self._cpu_seconds = cpu_seconds
+        self.apart: list[int] = []
+        self._cpu_seconds = cpu_seconds or (lambda: process_cpu_seconds(apart=self.apart))
         self.memory = MemoryWatch(worker_pids, memory_interval_s, memory_of, clock)
         self._footprint = footprint
         self.epoch_batches = 0.0

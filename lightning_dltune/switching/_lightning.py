@@ -209,6 +209,13 @@ def install_loop_fetch_hooks(loop: Any, before: Callable[[], None], after: Calla
     return restore
 
 
+def launched_ranks(trainer: "pl.Trainer") -> list[int]:
+    """The PIDs of the other ranks Lightning's launcher started from this process (its subprocess launcher's
+    ``procs``, on the rank that launched them; empty elsewhere): children whose CPU is not this rank's loader's."""
+    procs = getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or []
+    return [int(p.pid) for p in procs if getattr(p, "pid", None) is not None]
+
+
 def lightning_reloads_train(trainer: "pl.Trainer") -> bool:
     """Whether Lightning's own ``reload_dataloaders_every_n_epochs`` asks for the train loader now (read inside
     ``setup_data``, before it records this epoch as its latest reload)."""

@@ -212,6 +212,7 @@ class EvalTuner:
         self.state.begin_fit()
         self.trainer, self.loop = trainer, _lightning.evaluation_loop(trainer, self.name)
         self.probe.start(torch.device("cpu"), log_gpu=False)
+        self.probe.apart = _lightning.launched_ranks(trainer)
         self._switch, self._counting, self._draws, self._pending = False, False, [], None
         self._ahead = self._reset_at = None
         self._restores = [

@@ -216,6 +216,7 @@ class LoaderSwitcher:
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer, self._first_epoch = trainer, None
+        self.probe.apart = _lightning.launched_ranks(trainer)
         self.state.reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
         self._random.reset()
         self._restores = [
