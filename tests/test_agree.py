@@ -307,3 +307,30 @@ def test_where_the_ranks_stalls_differ_the_most_stalled_rank_may_take_the_worker
             own.stats, replace(budget, users_ceiling=users), lambda s, b, f: seen.append(b), running=own.settings
         )
         assert seen[-1].max_workers == 8
+
+
+def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_one():
+    from lightning_dltune.tuning.rules import own_need
+
+    from test_decide import trial
+
+    budget, eight = Budget(cpus=2.0, max_workers=8), LoaderSettings.normalized(8)
+    # this rank (rank 0): 16 ms to load a batch at 0 workers, and a 60 ms step that is mostly its wait inside the
+    # all-reduce for rank 1, which loads for 90 ms and steps for 10 ms (it waits for no one)
+    own = trial(0, 16, 60, fetch_cpu_ms=1)
+    theirs = trial(0, 90, 10, fetch_cpu_ms=1)
+    strategy = TwoRanksOnANode([*row(theirs.stats, budget)[:-1], 8.0])
+    strategy.mine = [*row(own.stats, budget)[:-1], 1.0]
+    agreement = Agreement(strategy)
+    agreement.decide(own.stats, budget, lambda s, b, f: None, running=own.settings)
+    assert agreement.pace == pytest.approx(0.010)
+    alone = own_need([own], budget)  # on its own step: one worker keeps up with 60 ms
+    paced = own_need([own], budget, pace_s=agreement.pace)
+    assert alone == 1 and paced >= 2, (alone, paced)  # once rank 1 is fed, steps take 10 ms: 16 ms needs two
+    # once tuning ended, this rank runs the count the pace asks for; the row it sends is read back here (on the CPU,
+    # where the other tests' meta device hides it), beside rank 1's, which needs 8
+    strategy.root_device = torch.device("cpu")
+    strategy.all_gather = lambda row: torch.stack([row, torch.tensor([8.0, 0, 8, 8, 0.5], dtype=torch.float64)])
+    agreement.own, agreement.widest = [own], 0.5
+    settings, everywhere = agreement.own_change(Decision("settle", eight, "agreed"), True, eight, budget)
+    assert settings == eight.with_workers(paced) and everywhere and agreement.rank_workers == [paced, 8]

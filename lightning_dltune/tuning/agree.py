@@ -19,7 +19,7 @@ import torch
 from lightning_dltune.measurement.budget import MOST_WORKERS
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial
+from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial, busy_time
 from lightning_dltune.tuning.rules import own_need
 
 T = TypeVar("T")
@@ -51,6 +51,9 @@ class Agreement:
         rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
         own: this rank's own windows (its settings, its statistics), before the ranks' are reduced to one.
         widest: the widest spread of the ranks' stalls at a decision on the train loader.
+        pace: the step every rank keeps once fed, at the last decision on the train loader: the least busy time
+            of any rank (a rank's own step also holds its wait for the others inside the collective, so the rank
+            that waits for no one has the shortest); each rank's own need is sized on it.
         share: this rank's own share's worker ceiling (``max_workers`` of its budget; ``None`` before a decision).
         rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
         alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
@@ -67,6 +70,7 @@ class Agreement:
         self.rank_workers: list[int] = []
         self.alike: str | None = None
         self.widest = 0.0
+        self.pace: float | None = None
         self.share: int | None = None
         self.later = False  # the latest own change waits for the epoch's end (see own_change)
 
@@ -98,27 +102,30 @@ class Agreement:
         self.failures = [] if failed is None else [failed]
         if self.distributed:
             pool = running is not None and self.why_alike() is None and not budget.users_ceiling
-            stats, budget = self._reduce(stats, budget, failed, running is not None, pool)
+            stats, budget = self._reduce(stats, budget, failed, running, pool)
         choice = choose(stats, budget, self.failures)
         if self.distributed:  # every rank must switch at the same step; once each runs its own count, their
             choice = self.strategy.broadcast(choice, src=0)  # own choices may differ: rank zero's, None included
         return stats, budget, choice
 
     def _reduce(
-        self, stats: WindowStats, budget: Budget, failed: LoaderSettings | None, train: bool, pool: bool
+        self,
+        stats: WindowStats,
+        budget: Budget,
+        failed: LoaderSettings | None,
+        running: LoaderSettings | None,
+        pool: bool,
     ) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        need = own_need(self.own, budget, self.policy) if pool else 0
+        need = own_need(self.own, budget, self.policy, self.pace) if pool else 0
         node = float(getattr(self.strategy, "node_rank", 0))
         row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, float(need)]
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
         col = _STATS_FIELDS.index
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
         stalled = table[int(stall.argmax())].tolist()
-        values: dict[str, Any] = dict(zip(_STATS_FIELDS, stalled[: len(_STATS_FIELDS)], strict=True))
-        for name in _INT_FIELDS:
-            values[name] = int(values[name])
+        values = _values(stalled[: len(_STATS_FIELDS)])
         for name in _MAX_FIELDS:
             values[name] = float(table[:, col(name)].max())
         self.rank_stalls = [float(x) for x in stall]
@@ -127,8 +134,9 @@ class Agreement:
         self.failures = list(
             dict.fromkeys(f for r in table[:, n + 4 : n + 8].tolist() if (f := _decode(r)) is not None)
         )
-        if train:  # the train loader's (an evaluation loop's agreement passes no running config)
+        if running is not None:  # the train loader's (an evaluation loop's agreement passes no running config)
             self.widest = max(self.widest, self.stall_spread or 0.0)
+            self.pace = _pace(table[:, :n].tolist(), running) or self.pace
         ceiling, bound = self._ceiling(table[:, n:], int(tightest[1]), pool)
         self.budget = dataclasses.replace(
             budget,
@@ -191,7 +199,7 @@ class Agreement:
             return default
         self.later = change is None  # own counts alone wait for the epoch's end (an agreed change is made at once)
         share = budget if self.share is None else dataclasses.replace(budget, max_workers=self.share)
-        need = own_need(self.own, share, self.policy)
+        need = own_need(self.own, share, self.policy, self.pace)
         mine, anyone = self.own_settings(agreed, running, need, self.why_alike(), not budget.users_ceiling)
         return mine, anyone  # no rank changing: ``mine`` is the running settings, and nothing is rebuilt
 
@@ -305,3 +313,17 @@ def _decode(row: list[float]) -> LoaderSettings | None:
     if workers < 0:
         return None
     return LoaderSettings.normalized(int(workers), int(prefetch) or None, bool(pin), bool(persistent))
+
+
+def _pace(rows: list[list[float]], running: LoaderSettings) -> float | None:
+    """The least busy time of any rank's window (every rank's statistics, as gathered, all on ``running``); ``None``
+    where no rank measured a step."""
+    windows = [WindowStats(**_values(r)) for r in rows]
+    busy = [busy_time(Trial(running, w)) for w in windows if w.steps > 0]
+    return min(busy) if busy else None
+
+
+def _values(row: list[float]) -> dict[str, Any]:
+    """One rank's window statistics from its gathered row (counts back to ``int``)."""
+    values: dict[str, Any] = dict(zip(_STATS_FIELDS, row, strict=True))
+    return {**values, **{name: int(values[name]) for name in _INT_FIELDS}}

@@ -184,15 +184,20 @@ class Decision:
     rule: str = field(default="", compare=False)  # the rule that made it (see `RULES`)
 
 
-def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> Estimate:
-    """Estimate batch production cost from the usable trials, the last one weighing for CPU and busy time."""
+def estimate(
+    trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), pace_s: float | None = None
+) -> Estimate:
+    """Estimate batch production cost from the usable trials, the last one weighing for CPU and busy time.
+    ``pace_s``: the busy time a step takes once every rank is fed, where it is shorter than this process's own
+    (:meth:`~lightning_dltune.tuning.agree.Agreement.pace`: under DDP a rank's step also holds its wait for the
+    others inside the collective)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     last = usable[-1]
     s = last.stats
-    # on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep up with
-    busy = max(host_busy(last), s.mean_gpu_busy_s)
+    busy = busy_time(last)
+    busy = min(busy, pace_s) if pace_s else busy
     batch, sized, uncontended = _batch_times(usable, policy)
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, uncontended)
@@ -216,6 +221,13 @@ def estimate(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy())
         waits_on_io=on_io,
     )
     return _with_memory_caps(est, trials, usable, budget, policy)
+
+
+def busy_time(t: Trial) -> float:
+    """The time per step the loader must keep up with: the host's busy time (:func:`host_busy`), or the GPU's where
+    it is longer (on CUDA the consumer is the GPU: a host that only queues kernels is not what the loader must keep
+    up with)."""
+    return max(host_busy(t), t.stats.mean_gpu_busy_s)
 
 
 def step_cpus(s: WindowStats) -> float:

@@ -545,13 +545,14 @@ def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: i
     return max(1, est.safe_workers)
 
 
-def own_need(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy()) -> int:
+def own_need(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), pace_s: float | None = None) -> int:
     """The workers one rank's own windows ask for: the model's count within the budgets (as the jump sizes it), at
-    least one."""
+    least one; sized to keep up with ``pace_s`` where it is shorter than the rank's own busy time (see
+    :func:`~lightning_dltune.tuning.model.estimate`)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         return 1
-    est = estimate(usable, budget, policy)
+    est = estimate(usable, budget, policy, pace_s)
     return max(1, min(worker_cap(est, budget, usable[-1].settings.prefetch_factor or 2)[0], est.needed_workers))
 
 
