@@ -587,3 +587,24 @@ def test_the_ranks_a_ddp_launcher_starts_are_in_its_procs():
     trainer.strategy.launcher.procs.append(Launched())
     assert _lightning.launched_ranks(trainer) == [4242]
     assert _lightning.launched_ranks(pl.Trainer(accelerator="cpu", devices=1, logger=False)) == []  # no launcher
+
+
+def test_a_worker_death_raised_into_the_wait_for_it_reads_as_a_death():
+    # PyTorch's SIGCHLD handler raises a killed worker's death into whatever the main thread runs, here the wait
+    # that looks for the dead worker (a full-suite run lost a validation pass to it); the timing cannot be forced with
+    # a real worker, so the worker here raises as the handler does
+    class Worker:
+        def __init__(self, error):
+            self.error = error
+
+        def is_alive(self):
+            raise self.error
+
+    class Iterator:
+        def __init__(self, error):
+            self._workers = [Worker(error)]
+
+    killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    assert _lightning.worker_died(Iterator(killed))
+    with pytest.raises(RuntimeError, match="something else"):
+        _lightning.worker_died(Iterator(RuntimeError("something else")))

@@ -20,7 +20,7 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import _worker_loop
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
-from lightning_dltune.switching.switch import apart_from_global
+from lightning_dltune.switching.switch import apart_from_global, is_worker_death
 
 # (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
 PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -762,17 +762,23 @@ def will_reuse_iterator(loader: Any) -> bool:
 
 def worker_died(iterator: Iterator[Any], wait_s: float = 2.0) -> bool:
     """True when a worker process of a multi-process loader iterator is dead, waiting up to ``wait_s`` for a
-    killed one to be reaped (its broken pipe can reach the main process before its exit does)."""
+    killed one to be reaped (its broken pipe can reach the main process before its exit does; PyTorch's SIGCHLD
+    handler may then raise the death into this wait)."""
     import time
 
     workers = getattr(iterator, "_workers", None) or []
     deadline = time.monotonic() + wait_s
-    while workers:
-        if any(not w.is_alive() for w in workers):
+    try:
+        while workers:
+            if any(not w.is_alive() for w in workers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+    except RuntimeError as error:
+        if is_worker_death(error):
             return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
+        raise
     return False
 
 
