@@ -334,3 +334,14 @@ def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_
     agreement.own, agreement.widest = [own], 0.5
     settings, everywhere = agreement.own_change(Decision("settle", eight, "agreed"), True, eight, budget)
     assert settings == eight.with_workers(paced) and everywhere and agreement.rank_workers == [paced, 8]
+    # where no window measured a batch (4 workers that kept up: only their count times the step, which holds the same
+    # wait), the pace is not applied
+    kept_up = trial(4, 0.5, 60, worker_cpu_ms=1)
+    assert own_need([kept_up], Budget(16, 32), pace_s=0.010) == own_need([kept_up], Budget(16, 32)) < 8
+    # a start from the cache measured no batch at 0 workers: the verification's settle gives this rank the count its
+    # entry keeps, not one sized on its windows on the agreed config (whose workers start on every rank at once)
+    agreement.cached({"own_workers": 3, "stall_frac_spread": 0.5})
+    agreement.own = [trial(8, 2, 10, worker_cpu_ms=1)]  # stalled while 8 workers started: reads as a slow batch
+    assert own_need(agreement.own, budget, pace_s=agreement.pace) > 3
+    settings, _ = agreement.own_change(Decision("settle", eight, "verified"), True, eight, budget)
+    assert settings == eight.with_workers(3) and agreement.rank_workers == [3, 8]

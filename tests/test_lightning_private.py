@@ -3,6 +3,8 @@
 import inspect
 import multiprocessing.context
 import multiprocessing.queues
+import subprocess
+import sys
 import time
 from functools import reduce
 
@@ -584,9 +586,16 @@ def test_the_ranks_a_ddp_launcher_starts_are_in_its_procs():
     class Launched:
         pid = 4242
 
-    trainer.strategy.launcher.procs.append(Launched())
-    assert _lightning.launched_ranks(trainer) == [4242]
-    assert _lightning.launched_ranks(pl.Trainer(accelerator="cpu", devices=1, logger=False)) == []  # no launcher
+    launched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        trainer.strategy.launcher.procs += [Launched(), launched]  # 4242: no child of this process
+        assert _lightning.launched_ranks(trainer) == [launched.pid]
+        # a later Trainer in this process launches no rank (LOCAL_RANK is set by then): the running ones are kept
+        assert _lightning.launched_ranks(pl.Trainer(accelerator="cpu", devices=1, logger=False)) == [launched.pid]
+    finally:
+        launched.kill()
+        launched.wait()
+    assert _lightning.launched_ranks(pl.Trainer(accelerator="cpu", devices=1, logger=False)) == []  # gone
 
 
 def test_a_worker_death_raised_into_the_wait_for_it_reads_as_a_death():

@@ -417,11 +417,18 @@ def test_a_childs_cpu_seconds_are_read_from_proc_as_psutil_reads_them_reaped_chi
     assert _stat_cpu_seconds(child.pid) is None  # gone: psutil is asked, and tells it
 
 
+def _burn_beside_a_sleeper(seconds: float) -> None:
+    if os.fork() == 0:  # a child of its own, as a launched rank's workers are
+        time.sleep(30)
+        os._exit(0)
+    _burn(seconds)
+
+
 def test_cpu_seconds_count_live_children_found_through_proc():
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_burn, args=(0.3,), daemon=True) for _ in range(2)]
+    procs = [ctx.Process(target=f, args=(0.3,), daemon=True) for f in (_burn_beside_a_sleeper, _burn)]
     _, kids0 = process_cpu_seconds()
     for p in procs:
         p.start()
@@ -432,20 +439,25 @@ def test_cpu_seconds_count_live_children_found_through_proc():
         while process_cpu_seconds()[1] - kids0 < 0.5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert process_cpu_seconds()[1] - kids0 >= 0.5  # both children's 0.3 s, while they are alive
-        # a child apart (another rank Lightning launched from this process) is left out, by either walk
+        # a child apart (another rank Lightning launched from this process) is left out with its own children, by
+        # either walk
         one = procs[0].pid
+        grandchildren = set(descendants(one) or [])
+        assert len(grandchildren) == 1 and grandchildren <= set(found)
         assert process_cpu_seconds(apart=[one])[1] - kids0 == pytest.approx(
             process_cpu_seconds()[1] - kids0 - 0.3, abs=0.1
         )
         assert (
             set(_psutil_descendants(psutil.Process(), [one]))
             == set(descendants(os.getpid(), [one]))
-            == set(found) - {one}
+            == set(found) - {one} - grandchildren
         )
         # this process read through psutil, as through os.times()
         main, _ = process_cpu_seconds(psutil.Process())
         assert main == pytest.approx(process_cpu_seconds()[0], abs=0.05)
     finally:
+        for pid in descendants(procs[0].pid) or []:  # before its parent: orphaned, it is no descendant
+            os.kill(pid, 9)
         for p in procs:
             p.kill()
             p.join()

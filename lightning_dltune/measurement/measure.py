@@ -615,14 +615,18 @@ def _stat_cpu_seconds(pid: int) -> float | None:
 
 
 def _psutil_descendants(process: Any, apart: Collection[int]) -> list[int]:
-    """:func:`descendants` through psutil (a scan of ``/proc``)."""
+    """:func:`descendants` through psutil: one scan of ``/proc`` for every process's parent."""
     import psutil
 
-    try:
-        kids = [kid for kid in process.children() if kid.pid not in apart]
-    except psutil.Error:
-        return []
-    return [k for kid in kids for k in (kid.pid, *_psutil_descendants(kid, apart))]
+    children: dict[int, list[int]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p.pid)
+    found, todo = [], [process.pid]
+    while todo:
+        kids = [k for k in children.get(todo.pop(), []) if k not in apart]
+        found += kids
+        todo += kids
+    return found
 
 
 def descendants(pid: int, apart: Collection[int] = ()) -> list[int] | None:

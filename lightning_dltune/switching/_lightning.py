@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -209,11 +210,26 @@ def install_loop_fetch_hooks(loop: Any, before: Callable[[], None], after: Calla
     return restore
 
 
+_LAUNCHED: set[int] = set()  # every rank a launcher started from this process (a later Trainer launches none)
+
+
 def launched_ranks(trainer: "pl.Trainer") -> list[int]:
-    """The PIDs of the other ranks Lightning's launcher started from this process (its subprocess launcher's
-    ``procs``, on the rank that launched them; empty elsewhere): children whose CPU is not this rank's loader's."""
+    """The PIDs of the other ranks Lightning's launcher started from this process and still running as its children
+    (its subprocess launcher's ``procs``, on the rank that launched them, kept for the process's later Trainers: once
+    launched, the ranks set ``LOCAL_RANK`` and a later Trainer's launcher starts none): children whose CPU is not this
+    rank's loader's."""
+    import psutil
+
     procs = getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or []
-    return [int(p.pid) for p in procs if getattr(p, "pid", None) is not None]
+    _LAUNCHED.update(int(p.pid) for p in procs if getattr(p, "pid", None) is not None)
+    for pid in list(_LAUNCHED):
+        try:
+            alive = psutil.Process(pid).ppid() == os.getpid()
+        except psutil.Error:
+            alive = False
+        if not alive:
+            _LAUNCHED.discard(pid)
+    return sorted(_LAUNCHED)
 
 
 def lightning_reloads_train(trainer: "pl.Trainer") -> bool:

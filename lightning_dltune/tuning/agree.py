@@ -51,9 +51,11 @@ class Agreement:
         rank_stalls: each rank's stall fraction at the last decision or log step (empty in a single process).
         own: this rank's own windows (its settings, its statistics), before the ranks' are reduced to one.
         widest: the widest spread of the ranks' stalls at a decision on the train loader.
-        pace: the step every rank keeps once fed, at the last decision on the train loader: the least busy time
-            of any rank (a rank's own step also holds its wait for the others inside the collective, so the rank
-            that waits for no one has the shortest); each rank's own need is sized on it.
+        cached_need: this rank's own count in the cache entry it started from (``None``: none).
+        pace: the step every rank keeps once fed, at the last decision on the train loader where a rank measured a
+            step: the least busy time of any rank (a rank's own step also holds its wait for the others inside the
+            collective, so the rank that waits for no one has the shortest); each rank's own need is sized on it
+            (the decision's own need, gathered before it is known, on the last decision's).
         share: this rank's own share's worker ceiling (``max_workers`` of its budget; ``None`` before a decision).
         rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
         alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
@@ -71,6 +73,7 @@ class Agreement:
         self.alike: str | None = None
         self.widest = 0.0
         self.pace: float | None = None
+        self.cached_need: int | None = None  # this rank's own count in the cache entry it started from
         self.share: int | None = None
         self.later = False  # the latest own change waits for the epoch's end (see own_change)
 
@@ -200,6 +203,8 @@ class Agreement:
         self.later = change is None  # own counts alone wait for the epoch's end (an agreed change is made at once)
         share = budget if self.share is None else dataclasses.replace(budget, max_workers=self.share)
         need = own_need(self.own, share, self.policy, self.pace)
+        if self.cached_need is not None and all(t.settings.num_workers for t in self.own):
+            need = self.cached_need  # a start from the cache measured no batch at 0 workers: its count as cached
         mine, anyone = self.own_settings(agreed, running, need, self.why_alike(), not budget.users_ceiling)
         return mine, anyone  # no rank changing: ``mine`` is the running settings, and nothing is rebuilt
 
@@ -223,11 +228,15 @@ class Agreement:
 
     def cached(self, entry: dict[str, Any] | None) -> None:
         """A start from this rank's cache ``entry`` (``RunCache.own``): the ranks' stalls differed as widely as when
-        it was cached, so the verification's settle gives each rank its own count again (:meth:`own_settings`). An
-        evaluation loop's entry keeps no spread (its ranks run alike)."""
+        it was cached, so the verification's settle gives each rank its own count again (:meth:`own_settings`), the
+        count the entry keeps where this fit measured no batch at 0 workers (its windows on the agreed config, whose
+        workers start on every rank at once, say little of one rank's own need). An evaluation loop's entry keeps no
+        spread (its ranks run alike)."""
         spread = None if entry is None else entry.get("stall_frac_spread")
         if self.distributed and isinstance(spread, (int, float)):
             self.widest = max(self.widest, float(spread))
+        own = None if entry is None else entry.get("own_workers")
+        self.cached_need = own if self.distributed and isinstance(own, int) and own > 0 else None
 
     def report(self) -> dict[str, Any]:
         """The report's part: the agreed budget, the ranks' stall spread, each rank's own workers and why not."""

@@ -189,16 +189,17 @@ def estimate(
 ) -> Estimate:
     """Estimate batch production cost from the usable trials, the last one weighing for CPU and busy time.
     ``pace_s``: the busy time a step takes once every rank is fed, where it is shorter than this process's own
-    (:meth:`~lightning_dltune.tuning.agree.Agreement.pace`: under DDP a rank's step also holds its wait for the
-    others inside the collective)."""
+    (:attr:`~lightning_dltune.tuning.agree.Agreement.pace`: under DDP a rank's step also holds its wait for the
+    others inside the collective); used only where a batch's time was measured (a window at 0 workers, or one that
+    stalled with workers): the fallback, the workers times the step, holds the same wait."""
     usable = [t for t in trials if t.usable]
     if not usable:
         raise ValueError("`trials` holds no usable measurement; measure at least one window first.")
     last = usable[-1]
     s = last.stats
+    batch, sized, uncontended, measured = _batch_times(usable, policy)
     busy = busy_time(last)
-    busy = min(busy, pace_s) if pace_s else busy
-    batch, sized, uncontended = _batch_times(usable, policy)
+    busy = min(busy, pace_s) if pace_s and measured else busy
     cpu_per_batch = (s.fetch_cpu_s if last.settings.num_workers == 0 else s.worker_cpu_s) / s.steps
     cpu_per_batch = min(cpu_per_batch, uncontended)
     # workers may use every CPU of the budget: the OS shares them with the training process (docs/how-it-decides.md)
@@ -242,9 +243,10 @@ def step_cpus(s: WindowStats) -> float:
     return max(0.0, s.main_cpu_s - s.fetch_cpu_s) / busy
 
 
-def _batch_times(usable: Sequence[Trial], policy: Policy) -> tuple[float, float, float]:
+def _batch_times(usable: Sequence[Trial], policy: Policy) -> tuple[float, float, float, bool]:
     """A batch's production time (the tightest bound over the history), what the workers are sized on (its 90th
-    percentile where it was measured), and the least time measured (what the CPUs can feed is read on it)."""
+    percentile where it was measured), the least time measured (what the CPUs can feed is read on it), and whether
+    any window measured it (else each is the last window's workers times its step)."""
     bounds: list[tuple[float, float]] = []
     glimpses: list[tuple[float, float]] = []
     for t in usable:
@@ -267,7 +269,7 @@ def _batch_times(usable: Sequence[Trial], policy: Policy) -> tuple[float, float,
     # ready: the workers must cover the slow batches' time, not only the mean (tf.data sizes on the mean: it has no
     # order)
     sized = max(batch, max((p90 for _, p90 in bounds), default=0.0))
-    return batch, sized, uncontended
+    return batch, sized, uncontended, bool(bounds)
 
 
 def _with_memory_caps(
