@@ -345,3 +345,19 @@ def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_
     assert own_need(agreement.own, budget, pace_s=agreement.pace) > 3
     settings, _ = agreement.own_change(Decision("settle", eight, "verified"), True, eight, budget)
     assert settings == eight.with_workers(3) and agreement.rank_workers == [3, 8]
+
+
+def test_a_ranks_own_need_leaves_out_a_window_that_only_saw_its_workers_start():
+    from lightning_dltune.tuning.rules import own_need
+
+    from test_decide import trial
+
+    budget = Budget(cpus=2.0, max_workers=16)
+    alone = trial(0, 16, 60, fetch_cpu_ms=1, steps=7)  # 16 ms a batch at 0 workers, while waiting for rank 1
+    # the agreed 15 workers, all starting at once: 10 steps, each a worker's first batch, stalled a third of the time
+    starting = trial(15, 6, 12, worker_cpu_ms=1, steps=10)
+    need = own_need([alone, starting], budget, pace_s=0.011)
+    assert need <= 3, need  # 16 ms a batch at an 11 ms pace
+    # the same stall over 40 steps is the workers' own pace: each batch takes 15 x 18 ms, and the need is far higher
+    steady = trial(15, 6, 12, worker_cpu_ms=1, steps=40)
+    assert own_need([alone, steady], budget, pace_s=0.011) > 8

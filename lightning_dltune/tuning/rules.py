@@ -548,10 +548,15 @@ def _measure_memory_first(est: Estimate, budget: Budget, workers: int, target: i
 def own_need(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(), pace_s: float | None = None) -> int:
     """The workers one rank's own windows ask for: the model's count within the budgets (as the jump sizes it), at
     least one; sized to keep up with ``pace_s`` where it is shorter than the rank's own busy time (see
-    :func:`~lightning_dltune.tuning.model.estimate`)."""
+    :func:`~lightning_dltune.tuning.model.estimate`). A window with workers that served no more steps than it has
+    workers is left out where another remains: each of its batches was a worker's first, so it measured how fast they
+    start, not how fast they load (on the agreed config, sized for the neediest rank, every rank starts its workers at
+    once)."""
     usable = [t for t in trials if t.usable]
     if not usable:
         return 1
+    steady = [t for t in usable if t.stats.steps > t.settings.num_workers]
+    usable = steady or usable
     est = estimate(usable, budget, policy, pace_s)
     return max(1, min(worker_cap(est, budget, usable[-1].settings.prefetch_factor or 2)[0], est.needed_workers))
 
