@@ -472,3 +472,21 @@ def test_workers_above_the_ceiling_of_this_decision_are_not_read_as_outgrowing_a
     fifteen = with_mem(trial(15, 0.5, 10), 8, main_mib=250, epoch=12)
     decision = decide([start, fifteen], Budget(cpus=1, max_workers=8, memory_bytes=5 * 2**30), Policy())
     assert "outgrow" not in decision.reason, decision.reason
+
+
+def test_workers_read_a_few_at_a_time_give_their_whole_growth_per_batch():
+    # 4 workers, each growing 1 MiB a batch taken (a leaking loader), read 2 at a time: a total holds the other two's
+    # older readings, whose slope read half the growth (the check at each step then let the workers past the budget)
+    pids = [11, 12, 13, 14]
+    sizes = dict.fromkeys(pids, 10 * MiB)
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [sizes[p] for p in ps])
+    growth = []
+    for _ in range(4):
+        for _ in range(4):
+            watch.batch_taken()
+            for p in pids:
+                sizes[p] += MiB
+        watch.sample(most=2)
+        growth.append(watch.measured_growth / MiB)
+    # from the first workers read twice on (the third reading), all four workers' growth per batch
+    assert growth[2:] == pytest.approx([4.0, 4.0]), growth

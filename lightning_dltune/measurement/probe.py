@@ -67,6 +67,19 @@ CPU_SHARE_NEAR = 0.10  # ... and once they hold 3/4 of it
 RECENT_READINGS = 6  # the running workers' growth is read over their latest readings, of any window
 
 
+def _worker_growth(before: dict[int, tuple[float, int]], sizes: dict[int, float], batches: int) -> float | None:
+    """One worker's growth per batch taken (by any worker), the mean over the workers read now that were read
+    before, each between its own two readings (``before``: size and batches then); ``None`` where none was. A total
+    over a reading of a few workers holds the others' older readings, so its slope reads the growth too low (half
+    of it, for a leaking loader read two workers of four at a time)."""
+    rates = [
+        (size - before[pid][0]) / (batches - before[pid][1])
+        for pid, size in sizes.items()
+        if pid in before and batches > before[pid][1]
+    ]
+    return max(0.0, sum(rates) / len(rates)) if rates else None
+
+
 class MemoryWatch:
     """Samples the running loader's workers' USS every ``interval_s`` (or less often, see :meth:`next_interval`) in
     a thread, so memory that grows during an epoch (copy-on-read) is seen while it grows, not only when a window
@@ -114,6 +127,7 @@ class MemoryWatch:
         self._built_at = 0  # `batches` when the running loader was built
         self._recent: list[MemorySample] = []  # the running worker set's latest readings, of any window
         self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
+        self._rated = False  # ... from workers read twice (see _worker_growth), not from the totals' slope
         self._set_rate = 0.0  # ... and per second
         self._batch_rate = 0.0  # batches taken per second over those readings
         self._fitted_growth = 0.0  # the growth per batch the latest window with enough readings fitted
@@ -147,7 +161,10 @@ class MemoryWatch:
             if frozenset(pids) != self._pids:
                 self._pids, self._set_start = frozenset(pids), batches
                 self._recent, self._set_growth, self._set_rate, self._each = [], None, 0.0, {}
-                self._batch_rate = 0.0
+                self._batch_rate, self._rated = 0.0, False
+            rate = _worker_growth(self._each, sizes, batches)
+            if rate is not None:  # each worker read again: the set grows as they do, however few were read now
+                self._set_growth, self._rated = rate * len(pids), True
             self._each.update({pid: (size, batches) for pid, size in sizes.items()})
             mean, per_worker = sum(sizes.values()) / len(sizes), self.measured_growth / len(pids)
             each = sizes if read is pids else {pid: self._unread(pid, mean, per_worker) for pid in pids}
@@ -161,7 +178,8 @@ class MemoryWatch:
                 # the first workers read, their growth not known: at most all they hold per batch taken
                 self._set_growth = total / (batches - self._built_at)
             if len(self._recent) >= 2:
-                self._set_growth = slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
+                if not self._rated:  # a total with workers not read now holds their older readings
+                    self._set_growth = slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
                 self._set_rate = slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
                 self._batch_rate = slope([r.t for r in self._recent], [r.batches for r in self._recent]) or 0.0
             if built == self._built:
@@ -200,7 +218,7 @@ class MemoryWatch:
         """:attr:`growth_bytes` as measured: over two readings or more, or fitted by a window; not the first
         reading's at-most bound (all they hold over the batches taken), which only asks for a reading."""
         fitted = self._fitted_growth
-        return max(self._set_growth or 0.0, fitted) if len(self._recent) >= 2 else fitted
+        return max(self._set_growth or 0.0, fitted) if len(self._recent) >= 2 or self._rated else fitted
 
     @property
     def lead_bytes(self) -> float:
