@@ -325,8 +325,9 @@ def _decode(row: list[float]) -> LoaderSettings | None:
 
 
 def _pace(rows: list[list[float]], running: LoaderSettings) -> float | None:
-    """The least busy time of any rank's window (every rank's statistics, as gathered, all on ``running``); ``None``
-    where no rank measured a step."""
+    """The least busy time of any rank's window (every rank's statistics, as gathered, read as on this rank's
+    ``running`` config: only whether it has workers counts, and every rank's has while any runs its own count);
+    ``None`` where no rank measured a step."""
     windows = [WindowStats(**_values(r)) for r in rows]
     busy = [busy_time(Trial(running, w)) for w in windows if w.steps > 0]
     return min(busy) if busy else None
