@@ -258,13 +258,6 @@ def request_train_reload(trainer: "pl.Trainer", keep_workers: bool = False) -> N
     fit_loop._combined_loader = None
 
 
-def keeps_workers(loader: Any) -> bool:
-    """Whether ``loader`` can go on through a reload with its workers: persistent ones, running."""
-    return (
-        isinstance(loader, DataLoader) and loader.persistent_workers and getattr(loader, "_iterator", None) is not None
-    )
-
-
 def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader:
     """``loader`` (the one the fit loop ran, Lightning's distributed sampler in it) made to pass Lightning's reload as
     it is: Lightning injects a ``DistributedSampler`` into a loader whose ``sampler`` is not one, and a loader with a
@@ -275,14 +268,12 @@ def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader
     sampler set to the epoch first (Lightning sets it only after ``setup_data``), the second finds it fresh and keeps
     it (see :func:`_reset_once_used`), so the epoch's order is drawn once, as without the reload (as
     :func:`reset_ahead` does for an evaluation loop's pass, at the reset Lightning asks for)."""
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
     inner = getattr(loader.batch_sampler, "sampler", None)
     if isinstance(inner, DistributedSampler) and not isinstance(loader.sampler, DistributedSampler):
         object.__setattr__(loader, "sampler", inner)  # past DataLoader's guard on setting it after __init__
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_reset"):
-        reset, ref = type(iterator)._reset, weakref.ref(iterator)
+        ref = weakref.ref(iterator)
 
         def reset_then_keep(loader: Any, first_iter: bool = False) -> None:
             it: Any = ref()
@@ -290,11 +281,7 @@ def kept_through_reload(loader: DataLoader, trainer: "pl.Trainer") -> DataLoader
                 return
             _reset_as_pytorch_does(it)
             # what Lightning sets after setup_data (its epoch progress is a processed-tracker at run time)
-            _set_sampler_epoch(
-                loader, getattr(trainer.fit_loop.epoch_progress.current, "processed", trainer.current_epoch)
-            )
-            reset(it, loader, first_iter)
-            _reset_once_used(it)
+            reset_ahead(loader, getattr(trainer.fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
 
         iterator._reset = reset_then_keep
     return loader

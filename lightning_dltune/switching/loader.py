@@ -420,7 +420,11 @@ class LoaderSwitcher:
         elif not last_epoch:
             self._pending.at_epoch_end = True  # at the epoch's end: a teardown now would end this epoch early
             running = getattr(self.trainer, "train_dataloader", None)
-            if settings == self.state.current and _lightning.keeps_workers(running):
+            if (
+                settings == self.state.current
+                and isinstance(running, DataLoader)
+                and _lightning.will_reuse_iterator(running)
+            ):
                 self._pending.keep = running
 
     @property
