@@ -281,7 +281,14 @@ class TwoRanksOnANode(FakeStrategy):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
+        if tensor.numel() == 1:  # each need: this rank's as sent (``mine``'s on ``meta``), the other's in its row
+            self.sent.append(float(tensor) if tensor.device.type == "cpu" else self.mine[-1])
+            return torch.tensor([[self.sent[-1]], [self.other_row[-1]]], dtype=torch.float64)
         return torch.tensor([self.mine, self.other_row], dtype=torch.float64)
+
+    @property
+    def sent(self) -> list[float]:
+        return self.__dict__.setdefault("_sent", [])
 
 
 def test_where_the_ranks_stalls_differ_the_most_stalled_rank_may_take_the_workers_its_neighbour_leaves():
@@ -320,16 +327,18 @@ def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_
     own = trial(0, 16, 60, fetch_cpu_ms=1)
     theirs = trial(0, 90, 10, fetch_cpu_ms=1)
     strategy = TwoRanksOnANode([*row(theirs.stats, budget)[:-1], 8.0])
-    strategy.mine = [*row(own.stats, budget)[:-1], 1.0]
+    strategy.root_device = torch.device("cpu")  # the need this rank sends is read back
+    strategy.mine = row(own.stats, budget)
     agreement = Agreement(strategy)
     agreement.decide(own.stats, budget, lambda s, b, f: None, running=own.settings)
     assert agreement.pace == pytest.approx(0.010)
     alone = own_need([own], budget)  # on its own step: one worker keeps up with 60 ms
     paced = own_need([own], budget, pace_s=agreement.pace)
     assert alone == 1 and paced >= 2, (alone, paced)  # once rank 1 is fed, steps take 10 ms: 16 ms needs two
+    # the need the decision pools is sized on this decision's pace (the first decision has no earlier one)
+    assert strategy.sent == [paced] and strategy.calls == ["all_gather", "all_gather", "broadcast"]
     # once tuning ended, this rank runs the count the pace asks for; the row it sends is read back here (on the CPU,
     # where the other tests' meta device hides it), beside rank 1's, which needs 8
-    strategy.root_device = torch.device("cpu")
     strategy.all_gather = lambda row: torch.stack([row, torch.tensor([8.0, 0, 8, 8, 0.5], dtype=torch.float64)])
     agreement.own, agreement.widest = [own], 0.5
     settings, everywhere = agreement.own_change(Decision("settle", eight, "agreed"), True, eight, budget)

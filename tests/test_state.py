@@ -200,7 +200,8 @@ def test_batches_left(args, left):
         ("auto", 8, 0.9, 100, False, 1.0, True),  # under DDP, at a power of two, where this rank judges it
         ("auto", 16, 0.1, 100, True, 1.0, True),  # ... or another rank does (its loader holds every rank up)
         ("auto", 16, 0.1, 100, False, 1.0, False),  # ... not where no rank does
-        ("auto", 4, 0.9, 100, True, 1.0, False),  # ... from min_steps on (not on the first steps' noise)
+        ("auto", 4, 0.9, 100, True, 1.0, True),  # ... from the first power of two above early_steps (2)
+        ("auto", 2, 0.9, 100, True, 1.0, False),  # ... not at early_steps itself
         ("auto", 12, 0.9, 100, True, 1.0, False),  # ... only at a power of two or a window's length (no collective
         ("auto", 21, 0.9, 100, True, 1.0, False),  # every step)
         ("auto", 20, 0.9, 100, False, 1.0, True),  # ... the window's length

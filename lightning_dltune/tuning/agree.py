@@ -1,7 +1,8 @@
 """Agreement across ranks: every collective the tuner makes, in one place, with tensors on the strategy's device.
 
 Each rank measures its own windows; at a decision point :meth:`Agreement.decide` gathers every rank's window
-statistics and budget in one ``all_gather``, takes the statistics of the rank that waited most for data (ranks run
+statistics and budget in one ``all_gather`` (and, where each rank's loader may follow its own need, each rank's need
+sized on the job's pace in a second), takes the statistics of the rank that waited most for data (ranks run
 in lockstep, so their wall times are alike: the wait is what differs) and the tightest node's budget,
 decides on them and broadcasts rank 0's decision, so every rank changes its loader at the same step. NCCL only
 takes tensors on the GPU: every tensor is made on ``strategy.root_device``. In a single process nothing is sent.
@@ -121,9 +122,8 @@ class Agreement:
     ) -> tuple[WindowStats, Budget]:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
-        need = own_need(self.own, budget, self.policy, self.pace) if pool else 0
         node = float(getattr(self.strategy, "node_rank", 0))
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, float(need)]
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, 0.0]
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
         col = _STATS_FIELDS.index
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
@@ -140,6 +140,8 @@ class Agreement:
         if running is not None:  # the train loader's (an evaluation loop's agreement passes no running config)
             self.widest = max(self.widest, self.stall_spread or 0.0)
             self.pace = _pace(table[:, :n].tolist(), running) or self.pace
+        if pool:  # the last column, sent as 0: the needs are sized on the pace this gather gave
+            table[:, -1] = self._needs(budget)
         ceiling, bound = self._ceiling(table[:, n:], int(tightest[1]), pool)
         self.budget = dataclasses.replace(
             budget,
@@ -150,6 +152,11 @@ class Agreement:
             shm_bytes=None if tightest[3] == inf else tightest[3],
         )
         return WindowStats(**values), self.budget
+
+    def _needs(self, budget: Budget) -> torch.Tensor:
+        """Every rank's own need (:func:`~lightning_dltune.tuning.rules.own_need`) on :attr:`pace`, by rank."""
+        need = self._tensor([float(own_need(self.own, budget, self.policy, self.pace))])
+        return self.strategy.all_gather(need).reshape(-1).cpu()
 
     def _ceiling(self, table: torch.Tensor, tightest: int, pool: bool) -> tuple[int, str]:
         """The decision's worker ceiling, and what bounds it: the tightest rank's, or where the share follows need

@@ -507,6 +507,7 @@ class WindowPlan:
     window_steps: int = 20
     min_steps: int = 8
     in_epoch: bool = field(default=False)
+    early_steps: int = Policy().early_steps  # under DDP a window is judged early only past this many steps
 
     def epoch_started(self, resumable: bool, tuning: bool, epoch_batches: float) -> None:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
@@ -532,12 +533,12 @@ class WindowPlan:
         (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on
         every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only of a full or
         plainly judged window). Under DDP a window is judged early only as its steps (which every rank counts alike)
-        reach a power of two or a multiple of ``window_steps`` from ``min_steps`` on (the most stalled rank's window is
-        the one judged: not on its first steps' noise), where any rank judges it so: a rank-local test would split the
-        ranks, and a few collectives a window are all the tuner adds."""
+        reach a power of two above ``early_steps`` or a multiple of ``window_steps`` (one process judges from
+        ``early_steps`` on, the stall's confidence bound deciding), where any rank judges it so: a rank-local test would
+        split the ranks, and a few collectives a window are all the tuner adds."""
         obvious = any_rank is None and early
         if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
-            due = steps >= self.min_steps and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
+            due = steps > self.early_steps and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
             obvious = due and any_rank(early)
         if not (steps >= self.window_steps or obvious) or undecided():
             return False
