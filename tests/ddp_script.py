@@ -9,6 +9,7 @@ NODE_RANK=i ... python tests/ddp_script.py OUT node   # two processes per "node"
 python tests/ddp_script.py OUT memory       # 4 workers per rank whose memory grows past the node's budget
 """
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -88,8 +89,34 @@ class KillOnRank1(pl.Callback):
             os.kill(self.killed, signal.SIGKILL)
 
 
+def show_a_hang(after_s: float = 85.0) -> None:
+    """A hang shows its stacks instead of a silent timeout: this process's, and its descendants' (its loader workers,
+    forked, keep the SIGUSR1 handler; a rank it launched registers its own): each writes its stacks to the log, then
+    the process exits."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def dump() -> None:
+        time.sleep(after_s)
+        print(f"ddp_script: still running after {after_s:.0f} s; every process's stacks:", flush=True)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    threading.Thread(target=dump, name="show-a-hang", daemon=True).start()
+    faulthandler.dump_traceback_later(after_s + 10, exit=True)  # where that thread cannot run
+
+
 def main() -> None:
-    faulthandler.dump_traceback_later(90, exit=True)  # a hang shows its stacks instead of a silent timeout
+    show_a_hang(float(os.environ.get("DDP_SCRIPT_DUMP_AFTER_S", 85)))  # set lower to see the dump without a hang
     out, kind = Path(sys.argv[1]), sys.argv[2]
     warnings.filterwarnings("ignore")
     if kind == "node" and os.environ.get("NODE_RANK") == "1" and len(os.sched_getaffinity(0)) > 1:
