@@ -109,6 +109,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
 
     Attributes:
         best_settings: the settled loader settings as ``DataLoader`` keyword arguments (``None`` until settled).
+            Where tuning was held (``phase == "held"``) it is the best config measured, planned for a later run,
+            while this run's loader goes on with the config it runs (the headline says which).
         trials: the measured :class:`~lightning_dltune.tuning.model.Trial` history.
         diagnosis: one sentence on what bounds training.
         settled_step: the global step at which tuning settled, or held for the rest of the run (``None`` until
