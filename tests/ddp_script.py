@@ -92,7 +92,7 @@ class KillOnRank1(pl.Callback):
 def show_a_hang(after_s: float = 85.0) -> None:
     """A hang shows its stacks instead of a silent timeout: this process's, and its descendants' (its loader workers,
     forked, keep the SIGUSR1 handler; a rank it launched registers its own): each writes its stacks to the log, then
-    the process exits."""
+    the process exits. A descendant without the handler (a spawned worker) is ended by the signal instead."""
     import signal
     import threading
     import time

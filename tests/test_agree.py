@@ -274,20 +274,22 @@ def test_the_rank_that_needs_most_on_its_node_gets_what_the_node_s_other_ranks_l
 
 
 class TwoRanksOnANode(FakeStrategy):
-    """Two ranks of one node: this one (rank 0, its row as sent) and the other, which waits far more."""
+    """Two ranks of one node: this one (rank 0, what it sends, read back on the CPU) and the other, which waits far
+    more; its row's last column is its need (and, sent first, whether it pools: any need above 0 does)."""
 
     global_rank, node_rank = 0, 0
+    root_device = torch.device("cpu")
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
-        if tensor.numel() == 1:  # each need: this rank's as sent (``mine``'s on ``meta``), the other's in its row
-            self.sent.append(float(tensor) if tensor.device.type == "cpu" else self.mine[-1])
-            return torch.tensor([[self.sent[-1]], [self.other_row[-1]]], dtype=torch.float64)
-        return torch.tensor([self.mine, self.other_row], dtype=torch.float64)
+        self.sent.append(tensor.tolist())
+        if tensor.numel() == 1:  # each rank's need
+            return torch.tensor([tensor.tolist(), [self.other_row[-1]]], dtype=torch.float64)
+        return torch.stack([tensor, torch.tensor(self.other_row, dtype=torch.float64)])
 
     @property
-    def sent(self) -> list[float]:
+    def sent(self) -> list[list[float]]:
         return self.__dict__.setdefault("_sent", [])
 
 
@@ -303,17 +305,22 @@ def test_where_the_ranks_stalls_differ_the_most_stalled_rank_may_take_the_worker
     agreement = Agreement(strategy)
     own = trial(0, 16, 10, fetch_cpu_ms=1)  # this rank: 16 ms to load a batch against a 10 ms step
     need = own_need([own], budget)
-    strategy.mine = [*row(own.stats, budget)[:-1], float(need)]
     agreement.decide(own.stats, budget, lambda s, b, f: seen.append(b), running=own.settings)
+    assert strategy.sent[-1] == [need]  # both ranks pool: each sends its need in a second gather
     assert seen[0].max_workers == 16 - need > 8 and "its neighbours' need" in seen[0].bound_by
     assert agreement.share == 8  # this rank's own
-    # the user's own max_workers, or a loader that needs every rank alike, is not pooled
+    # the user's own max_workers, or a loader that needs every rank alike, is not pooled: where this rank does not
+    # pool, no rank does (the other rank's row says it would), and no second gather is made
     for users, alike in ((True, None), (False, "litdata lays")):
-        agreement = Agreement(strategy, why_alike=lambda alike=alike: alike)
+        agreement, strategy.calls = Agreement(strategy, why_alike=lambda alike=alike: alike), []
         agreement.decide(
             own.stats, replace(budget, users_ceiling=users), lambda s, b, f: seen.append(b), running=own.settings
         )
-        assert seen[-1].max_workers == 8
+        assert seen[-1].max_workers == 8 and strategy.calls == ["all_gather", "broadcast"]
+    # ... and where the other rank does not pool (its own max_workers), this one makes no second gather either
+    strategy.other_row[-1], strategy.calls = 0.0, []
+    Agreement(strategy).decide(own.stats, budget, lambda s, b, f: seen.append(b), running=own.settings)
+    assert seen[-1].max_workers == 8 and strategy.calls == ["all_gather", "broadcast"]
 
 
 def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_one():
@@ -327,16 +334,16 @@ def test_each_ranks_own_need_is_sized_on_the_step_of_the_rank_that_waits_for_no_
     own = trial(0, 16, 60, fetch_cpu_ms=1)
     theirs = trial(0, 90, 10, fetch_cpu_ms=1)
     strategy = TwoRanksOnANode([*row(theirs.stats, budget)[:-1], 8.0])
-    strategy.root_device = torch.device("cpu")  # the need this rank sends is read back
-    strategy.mine = row(own.stats, budget)
-    agreement = Agreement(strategy)
-    agreement.decide(own.stats, budget, lambda s, b, f: None, running=own.settings)
+    agreement, seen = Agreement(strategy), []
+    agreement.decide(own.stats, budget, lambda s, b, f: seen.append(b), running=own.settings)
     assert agreement.pace == pytest.approx(0.010)
     alone = own_need([own], budget)  # on its own step: one worker keeps up with 60 ms
     paced = own_need([own], budget, pace_s=agreement.pace)
     assert alone == 1 and paced >= 2, (alone, paced)  # once rank 1 is fed, steps take 10 ms: 16 ms needs two
-    # the need the decision pools is sized on this decision's pace (the first decision has no earlier one)
-    assert strategy.sent == [paced] and strategy.calls == ["all_gather", "all_gather", "broadcast"]
+    # the need the decision pools is sized on this decision's pace (the first decision has no earlier one), and rank
+    # 1, the neediest, may have the node's 16 workers less it
+    assert strategy.sent[-1] == [paced] and strategy.calls == ["all_gather", "all_gather", "broadcast"]
+    assert seen[0].max_workers == 16 - paced
     # once tuning ended, this rank runs the count the pace asks for; the row it sends is read back here (on the CPU,
     # where the other tests' meta device hides it), beside rank 1's, which needs 8
     strategy.all_gather = lambda row: torch.stack([row, torch.tensor([8.0, 0, 8, 8, 0.5], dtype=torch.float64)])

@@ -93,7 +93,7 @@ CASES = {
         cfg(16),
         BUDGET,
         False,
-        "`max_workers` is 16",
+        "over the tuner's ceiling of 16 workers (set `max_workers` to change it): raise it",
     ),
     "stopped_for_the_run": (
         [trial(0, 160, 10, fetch_cpu_ms=1), trial(8, 10, 10)],

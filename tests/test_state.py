@@ -222,6 +222,13 @@ def test_window_plan(mode, steps, stall, left, other, epoch_s, closes):
     assert len(asked) <= 1
 
 
+def test_under_ddp_a_min_steps_below_early_steps_judges_from_min_steps():
+    plan = WindowPlan(mode="auto", window_steps=20, min_steps=2)  # the user's: fewer than early_steps (2) + 1
+    plan.epoch_started(resumable=True, tuning=True, epoch_batches=120)
+    assert plan.close_in_epoch(2, True, 100, lambda flag: flag, lambda: 1.0)
+    assert not plan.close_in_epoch(1, True, 100, lambda flag: flag, lambda: 1.0)
+
+
 @pytest.mark.parametrize(
     ("steps", "last_epoch", "undecided", "in_epoch", "closes"),
     [

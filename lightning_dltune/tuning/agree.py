@@ -56,7 +56,7 @@ class Agreement:
         pace: the step every rank keeps once fed, at the last decision on the train loader where a rank measured a
             step: the least busy time of any rank (a rank's own step also holds its wait for the others inside the
             collective, so the rank that waits for no one has the shortest); each rank's own need is sized on it
-            (the decision's own need, gathered before it is known, on the last decision's).
+            (at a decision, on the pace its first gather gave: the needs are gathered in a second).
         share: this rank's own share's worker ceiling (``max_workers`` of its budget; ``None`` before a decision).
         rank_workers: each rank's worker count once each runs its own (:meth:`own_settings`; empty before).
         alike: why every rank runs the agreed settings, where they must (``None``: they need not, or did not differ).
@@ -123,8 +123,9 @@ class Agreement:
         inf = float("inf")
         limits = [budget.cpus, float(budget.max_workers), budget.memory_bytes or inf, budget.shm_bytes or inf]
         node = float(getattr(self.strategy, "node_rank", 0))
-        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, 0.0]
+        row = [float(getattr(stats, f)) for f in _STATS_FIELDS] + limits + _encode(failed) + [node, float(pool)]
         table = self.strategy.all_gather(self._tensor(row)).reshape(-1, len(row)).cpu()
+        pool = bool(table[:, -1].min() > 0)  # every rank alike (a user's ceiling set on some ranks only: none pool)
         col = _STATS_FIELDS.index
         stall = table[:, col("wait_s")] / table[:, col("wall_s")].clamp(min=1e-9)
         stalled = table[int(stall.argmax())].tolist()
@@ -134,13 +135,12 @@ class Agreement:
         self.rank_stalls = [float(x) for x in stall]
         n = len(_STATS_FIELDS)
         tightest = table[:, n : n + 4].min(dim=0).values.tolist()
-        self.failures = list(
-            dict.fromkeys(f for r in table[:, n + 4 : n + 8].tolist() if (f := _decode(r)) is not None)
-        )
+        failures = table[:, n + 4 : n + 8].tolist()
+        self.failures = list(dict.fromkeys(f for r in failures if (f := _decode(r)) is not None))
         if running is not None:  # the train loader's (an evaluation loop's agreement passes no running config)
             self.widest = max(self.widest, self.stall_spread or 0.0)
             self.pace = _pace(table[:, :n].tolist(), running) or self.pace
-        if pool:  # the last column, sent as 0: the needs are sized on the pace this gather gave
+        if pool:  # the last column, each rank's pooling, becomes its need: sized on the pace this gather gave
             table[:, -1] = self._needs(budget)
         ceiling, bound = self._ceiling(table[:, n:], int(tightest[1]), pool)
         self.budget = dataclasses.replace(

@@ -20,6 +20,7 @@ from lightning_dltune.tuning.model import (
     Trial,
     bound_words,
     bursty,
+    ceiling_words,
     contended_s,
     contention_eats_the_gain,
     estimate,
@@ -224,7 +225,7 @@ def one_rank_holds_up(r: Reading) -> str | None:
     least = min(range(len(ranks)), key=ranks.__getitem__)
     wants = ""
     if r.est.needed_workers > r.budget.max_workers:
-        wants = f"; the model wants {r.est.needed_workers} workers for it, `max_workers` is {r.budget.max_workers}"
+        wants = f"; the model wants {r.est.needed_workers} workers for it, over {ceiling_words(r.budget)}"
     return (
         f"input-bound on rank {most}: its loader holds every rank up (it waited {ranks[most]:.0%} of the time, rank "
         f"{least} {ranks[least]:.0%}, which waits for it inside the all-reduce); every rank runs on "
@@ -344,7 +345,7 @@ def max_workers_too_low(r: Reading) -> str | None:
         return None
     return (
         f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput); the model wants {r.est.needed_workers} "
-        f"workers but `max_workers` is {r.budget.max_workers}: raise it if memory allows, or cut the storage latency."
+        f"workers, over {ceiling_words(r.budget)}: raise it if memory allows, or cut the storage latency."
     )
 
 

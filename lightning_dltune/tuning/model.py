@@ -374,10 +374,18 @@ def worker_cap(est: Estimate, budget: Budget, prefetch: int) -> tuple[int, Bound
 def bound_words(bound: Bound, est: Estimate, budget: Budget) -> str:
     """The budget ``bound`` in words, as the decisions and the diagnosis say it."""
     if bound == "max_workers":
-        return f"max_workers={budget.max_workers}"
+        return ceiling_words(budget)
     if bound == "memory":
         return f"the memory budget ({est.worker_mem_bytes / 2**20:.0f} MiB per worker)"
     return "the CPU budget" if bound == "cpu" else "the shared memory (/dev/shm) budget"
+
+
+def ceiling_words(budget: Budget) -> str:
+    """The worker ceiling in words: the user's ``max_workers``, or the tuner's own (its CPUs' default, or under DDP a
+    share of its node's), which a ``max_workers`` of the user's replaces."""
+    if budget.users_ceiling:
+        return f"max_workers={budget.max_workers}"
+    return f"the tuner's ceiling of {budget.max_workers} workers (set `max_workers` to change it)"
 
 
 def bursty(stats: WindowStats, busy: float, policy: Policy) -> bool:

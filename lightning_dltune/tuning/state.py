@@ -533,12 +533,14 @@ class WindowPlan:
         (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on
         every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only of a full or
         plainly judged window). Under DDP a window is judged early only as its steps (which every rank counts alike)
-        reach a power of two above ``early_steps`` or a multiple of ``window_steps`` (one process judges from
-        ``early_steps`` on, the stall's confidence bound deciding), where any rank judges it so: a rank-local test would
-        split the ranks, and a few collectives a window are all the tuner adds."""
+        reach a power of two or a multiple of ``window_steps``, past ``early_steps`` (or from ``min_steps``, where that
+        is fewer), where any rank judges it so (``early``: on the CPU one process judges from ``early_steps`` on, the
+        stall's confidence bound deciding; on a GPU from ``min_steps``): a rank-local test would split the ranks, and a
+        few collectives a window are all the tuner adds."""
         obvious = any_rank is None and early
         if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
-            due = steps > self.early_steps and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
+            past = steps > self.early_steps or steps >= self.min_steps
+            due = past and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
             obvious = due and any_rank(early)
         if not (steps >= self.window_steps or obvious) or undecided():
             return False
