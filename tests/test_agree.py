@@ -374,6 +374,12 @@ def test_a_ranks_own_need_leaves_out_a_window_that_only_saw_its_workers_start():
     starting = trial(15, 6, 12, worker_cpu_ms=1, steps=10)
     need = own_need([alone, starting], budget, pace_s=0.011)
     assert need <= 3, need  # 16 ms a batch at an 11 ms pace
-    # the same stall over 40 steps is the workers' own pace: each batch takes 15 x 18 ms, and the need is far higher
+    # the same stall over 40 steps, even at every step, on 15 workers (over twice the 2 that 16 ms batches need at an
+    # 11 ms pace): the cost of receiving batches on CPUs the agreed config's workers share, not a batch they lacked
     steady = trial(15, 6, 12, worker_cpu_ms=1, steps=40)
-    assert own_need([alone, steady], budget, pace_s=0.011) > 8
+    assert own_need([alone, steady], budget, pace_s=0.011) <= 3
+    # uneven, it is the workers' own pace (slow batches the 7 steps at 0 workers missed): each batch 15 x 18 ms
+    uneven = trial(15, 6, 12, worker_cpu_ms=1, steps=40, p50_ms=1, p90_ms=20)
+    assert own_need([alone, uneven], budget, pace_s=0.011) > 8
+    # and on 2 workers (not twice the need), an even stall bounds a batch's time too
+    assert own_need([alone, trial(2, 6, 12, worker_cpu_ms=1, steps=40)], budget, pace_s=0.011) > 2

@@ -92,6 +92,9 @@ class Policy:
     host_work_min_s: float = 2e-3
     # the training step computes on the CPUs (``workers_contend``) where it uses at least this many of them
     step_cpu_min: float = 0.5
+    # under DDP a rank's window on this many times the workers its windows at 0 workers ask for, its waits even,
+    # waited for no batch its workers lacked (``rules.own_need``)
+    own_spare: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from lightning_dltune.tuning.model import (
     Trial,
     bound_words,
     bursty,
+    busy_time,
     contended_s,
     contention_eats_the_gain,
     estimate,
@@ -551,12 +552,25 @@ def own_need(trials: Sequence[Trial], budget: Budget, policy: Policy = Policy(),
     :func:`~lightning_dltune.tuning.model.estimate`). A window with workers that served no more steps than it has
     workers is left out where another remains: each of its batches was a worker's first, so it measured how fast they
     start, not how fast they load (on the agreed config, sized for the neediest rank, every rank starts its workers at
-    once)."""
+    once). So is one on ``policy.own_spare`` times the workers this rank's windows at 0 workers ask for or more, where
+    its waits were even (not :func:`~lightning_dltune.tuning.model.bursty`): twice the workers a batch's time needs,
+    waiting alike at every step, waited to receive batches and for the CPUs the agreed config's workers share, not for
+    a batch they lacked (slow batches that the few steps at 0 workers missed show as uneven waits). The count is
+    applied without a window that tries it."""
     usable = [t for t in trials if t.usable]
     if not usable:
         return 1
     steady = [t for t in usable if t.stats.steps > t.settings.num_workers]
     usable = steady or usable
+    alone = [t for t in usable if t.settings.num_workers == 0]
+    if alone and len(alone) < len(usable):
+        spare = policy.own_spare * _model_count(alone, budget, policy, pace_s)
+        usable = [t for t in usable if t.settings.num_workers < spare or bursty(t.stats, busy_time(t), policy)]
+    return _model_count(usable, budget, policy, pace_s)
+
+
+def _model_count(usable: Sequence[Trial], budget: Budget, policy: Policy, pace_s: float | None) -> int:
+    """The model's worker count on ``usable`` windows within the budgets (as the jump sizes it), at least one."""
     est = estimate(usable, budget, policy, pace_s)
     return max(1, min(worker_cap(est, budget, usable[-1].settings.prefetch_factor or 2)[0], est.needed_workers))
 
