@@ -103,16 +103,44 @@ def show_a_hang(after_s: float = 85.0) -> None:
 
     def dump() -> None:
         time.sleep(after_s)
-        print(f"ddp_script: still running after {after_s:.0f} s; every process's stacks:", flush=True)
-        for child in psutil.Process().children(recursive=True):
+        me = f"rank {os.environ.get('LOCAL_RANK', '0')} (pid {os.getpid()})"
+        print(f"ddp_script: {me} still running after {after_s:.0f} s; its loader iterators:", flush=True)
+        print(loader_iterators(), flush=True)
+        for child in psutil.Process().children(recursive=True):  # one at a time: their stacks do not interleave
             with contextlib.suppress(psutil.Error):
+                print(f"ddp_script: {me}: stacks of {child.pid} ({child.ppid()}'s child)", flush=True)
                 child.send_signal(signal.SIGUSR1)
-        time.sleep(2)
+                time.sleep(0.2)
+        print(f"ddp_script: stacks of {me}", flush=True)
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
 
     threading.Thread(target=dump, name="show-a-hang", daemon=True).start()
     faulthandler.dump_traceback_later(after_s + 10, exit=True)  # where that thread cannot run
+
+
+def loader_iterators() -> str:
+    """Every multi-process loader iterator of this process, as PyTorch tracks its batches: where a hang waits."""
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    lines = []
+    for it in [o for o in gc.get_objects() if isinstance(o, _MultiProcessingDataLoaderIter)]:
+        try:
+            queued = [q.qsize() for q in it._index_queues] if not it._shutdown else "shut down"
+            results = it._worker_result_queue.qsize() if not it._shutdown else "shut down"
+        except Exception as error:  # a closed queue
+            queued = results = repr(error)
+        tasks = {i: (info[0], len(info)) for i, info in it._task_info.items()}  # batch: (worker, 2 once it arrived)
+        lines.append(
+            f"  {id(it):x} over {len(it._dataset)} samples: {it._num_workers} workers, alive "
+            f"{[w.is_alive() for w in it._workers]}, status {it._workers_status}, sent {it._send_idx}, received "
+            f"{it._rcvd_idx}, yielded {it._num_yielded}, outstanding {it._tasks_outstanding}, tasks {tasks}, "
+            f"queued per worker {queued}, results queued {results}, prefetch {it._prefetch_factor}, "
+            f"own attributes {sorted(k for k in vars(it) if k in ('_reset', '_try_put_index'))}"
+        )
+    return "\n".join(lines) or "  none"
 
 
 def main() -> None:
