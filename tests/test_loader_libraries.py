@@ -171,8 +171,15 @@ def test_a_stateful_loader_over_the_memory_budget_finishes_its_epoch_exactly_the
     seen = fit(tmp_path, hoarding_loader, tuner, epochs=3, step_ms=20.0)
     assert all(len(workers) == 1 for workers in seen.workers.values()), seen.workers  # never left mid-epoch
     assert seen.workers[0] == {4} and max(seen.workers[2]) < 4
-    over = [t for t in tuner.trials if t.failed and "memory budget" in t.failed and t.settings.num_workers == 4]
-    assert 1 <= len(over) <= 2, tuner.trials  # when first seen, and the rest of the epoch: not once per step
+    # the 4 workers' config found over the budget: by the check at each step (a failure), or, where the window closed
+    # before a reading crossed, by the window's decision, the memory budget capping it (about 1 run in 10): once, or
+    # twice (when first seen, and the rest of the epoch), never once per step
+    over = [
+        t
+        for t in tuner.trials
+        if t.settings.num_workers == 4 and ("memory budget" in (t.failed or "") or "predicted to fit" in t.decision)
+    ]
+    assert 1 <= len(over) <= 2, [(t.settings.num_workers, t.failed, t.rule, t.decision) for t in tuner.trials]
     assert_exact(seen, epochs=3, length=480)
 
 
