@@ -267,3 +267,22 @@ def test_no_config_goes_past_max_prefetch(tmp_path):
     assert any(t.settings.num_workers > 0 for t in tuner.trials)
     assert {t.settings.prefetch_factor for t in tuner.trials} <= {None, 1}, [t.settings for t in tuner.trials]
     assert tuner.best_settings["prefetch_factor"] in (None, 1)
+
+
+@pytest.mark.parametrize(
+    ("version", "hangs"),
+    [
+        ((3, 11, 7), True),  # this machine's: the worker stuck in PyOS_AfterFork_Child, read with gdb
+        ((3, 11, 9), True),
+        ((3, 11, 10), False),  # the fix (CPython gh-112275)
+        ((3, 10, 14), True),
+        ((3, 10, 15), False),
+        ((3, 12, 0), False),  # 3.12 had it from the start
+        ((3, 13, 1), False),
+    ],
+)
+def test_the_pythons_whose_forked_workers_can_hang_are_named(version, hangs):
+    from lightning_dltune.switching.loader import FORK_HANG, forks_may_hang
+
+    assert forks_may_hang(version) is hangs
+    assert "Python 3.11.7 can leave a DataLoader worker hung" in FORK_HANG.format(version="3.11.7")

@@ -15,7 +15,9 @@ its target from there.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,6 +54,22 @@ __all__ = [
     "shutdown_workers",
 ]
 OnFailure = Callable[[str, str], "LoaderSettings | None"]
+
+
+FORK_HANG = (
+    "DataLoaderTuner: Python {version} can leave a DataLoader worker hung for ever right after it is forked, where "
+    "another thread of this process ends at that moment (CPython issue gh-112275, fixed in 3.10.15, 3.11.10 and "
+    "3.12); each switch forks new workers while the old ones' queue threads end, which makes it likelier. Should a "
+    "run stop at an epoch's start or in validation with its workers alive, upgrade Python."
+)
+
+
+def forks_may_hang(version: tuple[int, ...]) -> bool:
+    """Whether this Python (``sys.version_info``) can leave a forked process stuck in its own after-fork code, where
+    another thread held the runtime's thread-state lock at the fork (CPython issue gh-112275)."""
+    major, minor, micro = version[:3]
+    fixed = {8: 20, 9: 20, 10: 15, 11: 10}  # the first release of each line with the fix; 3.12 had it
+    return major == 3 and minor in fixed and micro < fixed[minor]
 
 
 @dataclass(frozen=True)
@@ -216,6 +234,8 @@ class LoaderSwitcher:
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer, self._first_epoch = trainer, None
+        if forks_may_hang(sys.version_info) and multiprocessing.get_start_method(allow_none=True) in (None, "fork"):
+            info_once("fork-hang", FORK_HANG.format(version=".".join(map(str, sys.version_info[:3]))))
         self.probe.apart = _lightning.launched_ranks(trainer)
         self.state.reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
         self._random.reset()
