@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -64,7 +64,7 @@ FORK_HANG = (
 )
 
 
-def forks_may_hang(version: tuple[int, ...]) -> bool:
+def forks_may_hang(version: Sequence[Any]) -> bool:
     """Whether this Python (``sys.version_info``) can leave a forked process stuck in its own after-fork code, where
     another thread held the runtime's thread-state lock at the fork (CPython issue gh-112275)."""
     major, minor, micro = version[:3]
