@@ -280,6 +280,10 @@ class TwoRanksOnANode(FakeStrategy):
     global_rank, node_rank = 0, 0
     root_device = torch.device("cpu")
 
+    def __init__(self, other_row: list[float]) -> None:
+        super().__init__(other_row)
+        self.sent: list[list[float]] = []  # what this rank sent, each collective's
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check(tensor)
         self.calls.append("all_gather")
@@ -287,10 +291,6 @@ class TwoRanksOnANode(FakeStrategy):
         if tensor.numel() == 1:  # each rank's need
             return torch.tensor([tensor.tolist(), [self.other_row[-1]]], dtype=torch.float64)
         return torch.stack([tensor, torch.tensor(self.other_row, dtype=torch.float64)])
-
-    @property
-    def sent(self) -> list[list[float]]:
-        return self.__dict__.setdefault("_sent", [])
 
 
 def test_where_the_ranks_stalls_differ_the_most_stalled_rank_may_take_the_workers_its_neighbour_leaves():

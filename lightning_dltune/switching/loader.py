@@ -15,7 +15,6 @@ its target from there.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import weakref
@@ -31,6 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.measurement.probe import Probe
 from lightning_dltune.mixin import TunableDataModuleMixin
+from lightning_dltune.output.cache import start_method
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
 from lightning_dltune.switching._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
@@ -234,8 +234,6 @@ class LoaderSwitcher:
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer") -> None:
         self.trainer, self._first_epoch = trainer, None
-        if forks_may_hang(sys.version_info) and multiprocessing.get_start_method(allow_none=True) in (None, "fork"):
-            info_once("fork-hang", FORK_HANG.format(version=".".join(map(str, sys.version_info[:3]))))
         self.probe.apart = _lightning.launched_ranks(trainer)
         self.state.reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
         self._random.reset()
@@ -293,6 +291,8 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
+        if forks_may_hang(sys.version_info) and start_method(loader) == "fork":  # the workers the tuner starts too
+            info_once("fork-hang", FORK_HANG.format(version=".".join(map(str, sys.version_info[:3]))))
         self.alike = ranks_alike(loader)
         self._random.next = self._as_untuned(loader)
         kept, self._kept = self._kept, None
