@@ -282,7 +282,8 @@ def test_no_config_goes_past_max_prefetch(tmp_path):
     ],
 )
 def test_the_pythons_whose_forked_workers_can_hang_are_named(version, hangs):
-    from lightning_dltune.switching.loader import FORK_HANG, forks_may_hang
+    from lightning_dltune.switching.forkwatch import FORK_HANG, forks_may_hang
 
     assert forks_may_hang(version) is hangs
-    assert "Python 3.11.7 can leave a DataLoader worker hung" in FORK_HANG.format(version="3.11.7")
+    said = FORK_HANG.format(version="3.11.7", after_s=10.0)
+    assert "Python 3.11.7 can leave a DataLoader worker hung" in said and "stuck there for 10 s" in said

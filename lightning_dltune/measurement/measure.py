@@ -497,6 +497,16 @@ class StepTimer:
             self._log.excluded += paused
             self._pause_t0 = None
 
+    def leave_out_fetch(self) -> None:
+        """The running fetch's wait so far was no loader's cost (a worker hung in its fork): it is left out of the
+        windows, as a pause is, and the fetch is timed from here."""
+        if self._fetch_t0 is not None:
+            now = self._clock()
+            left_out, self._fetch_t0, self._fetch_c0 = now - self._fetch_t0, now, self._cpu_clock()
+            self._paused += left_out
+            self._window.excluded += left_out
+            self._log.excluded += left_out
+
     def step_started(self) -> None:
         now = self._clock()
         self._step_t0 = now

@@ -53,6 +53,7 @@ from lightning_dltune.output.cache import RunCache
 from lightning_dltune.output.report import PREFIX, WindowSeries, build_report, summary_table, window_metrics
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
+from lightning_dltune.switching.forkwatch import MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
 from lightning_dltune.switching.switch import apart_from_global
 from lightning_dltune.tuning.model import Budget, Decision, Policy
 from lightning_dltune.tuning.state import TuningState
@@ -100,10 +101,21 @@ def steps_to_validation(trainer: "pl.Trainer") -> int | None:
 
 class PassGuard(Iterator[Any]):
     """The iterator an evaluation pass pulls its batches from: ``inner`` until a switch inside the pass replaces it,
-    and ``recover(error, guard)`` asked on an error (True: it replaced ``inner``, and the batch is fetched again)."""
+    and ``recover(error, guard)`` asked on an error (True: it replaced ``inner``, and the batch is fetched again).
+    Each ``inner`` is taken off PyTorch's SIGCHLD handler, so that a worker's death is raised inside ``next()``,
+    where it can be recovered, not wherever the main thread is (inside ``validation_step``, say)."""
 
     def __init__(self, inner: Iterator[Any], recover: Callable[[BaseException, PassGuard], bool]) -> None:
         self.inner, self._recover = inner, recover
+
+    @property
+    def inner(self) -> Iterator[Any]:
+        return self._inner
+
+    @inner.setter
+    def inner(self, iterator: Iterator[Any]) -> None:
+        _lightning.detach_from_sigchld(iterator)
+        self._inner = iterator
 
     def __next__(self) -> Any:
         while True:
@@ -198,6 +210,8 @@ class EvalTuner:
         # when, at which sampler epoch and on which loader the next pass began early
         self._ahead: tuple[float, int, weakref.ref[DataLoader]] | None = None
         self._first_wait_s = 0.0  # the running pass's first fetch's wait
+        self._fork_restarts = 0  # loaders started again after a worker hung in its fork, this run
+        self._watch: ForkWatch | None = None  # held from `install` to `restore`
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def install(self, trainer: "pl.Trainer", budget: Budget, agreement: Any) -> None:
@@ -205,6 +219,9 @@ class EvalTuner:
         pass starts and its fetches here. A run held before tries its plan now. ``agreement``: the run's
         :class:`~lightning_dltune.tuning.agree.Agreement` (every rank starts from the same cached config)."""
         self.budget, self._agreement = budget, agreement
+        self._fork_restarts = 0
+        if self._watch is None:
+            self._watch = watch_forks()  # before the first worker starts
         reloads = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         self.state.reloads = trainer.state.fn == "fit" and bool(reloads)
         if self.state.held is not None:
@@ -228,6 +245,9 @@ class EvalTuner:
             restore()
         self._restores = []
         self.probe.stop()
+        if self._watch is not None:
+            self._watch.release()
+            self._watch = None
         for loader in list(self._patched):
             _lightning.undo_iterators_apart(loader)
         self._patched = weakref.WeakSet()
@@ -506,6 +526,18 @@ class EvalTuner:
             return False
         if failed is None or trainer is None or not self._resumable(loader, iterator):
             return False
+        if stopped_by_watch(error) and self._fork_restarts < MAX_FORK_RESTARTS:
+            self.probe.leave_out_fetch()  # the wait for the hung worker, not the restart's start-up
+            if not self._go_on(guard, failed):
+                return False
+            self._fork_restarts += 1  # a worker hung in its fork says nothing of the settings: the same again
+            warn_once(
+                f"eval-{self.name}-fork-restart-{self._fork_restarts}",
+                f"DataLoaderTuner: a {self.name} loader worker hung in its fork and was stopped; started the loader "
+                f"again on {failed.describe()} from the batch the pass had reached: no sample lost or repeated.",
+                every_rank=True,
+            )
+            return True
         why = f"a DataLoader worker died: {error_summary(error)}"
         distributed = trainer.world_size > 1  # the other ranks learn it at the pass's end
         fallback = self.state.fail(WindowStats(), why, budget, self._step(trainer), agree_later=distributed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -34,6 +34,7 @@ from lightning_dltune.output.cache import start_method
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
 from lightning_dltune.switching._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
+from lightning_dltune.switching.forkwatch import FORK_HANG, MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
 from lightning_dltune.switching.seamless import Seamless, draws_from_global
 from lightning_dltune.switching.switch import (
     GuardedIterator,
@@ -54,22 +55,6 @@ __all__ = [
     "shutdown_workers",
 ]
 OnFailure = Callable[[str, str], "LoaderSettings | None"]
-
-
-FORK_HANG = (
-    "DataLoaderTuner: Python {version} can leave a DataLoader worker hung for ever right after it is forked, where "
-    "another thread of this process ends at that moment (CPython issue gh-112275, fixed in 3.10.15, 3.11.10 and "
-    "3.12); each switch forks new workers while the old ones' queue threads end, which makes it likelier. Should a "
-    "run stop at an epoch's start or in validation with its workers alive, upgrade Python."
-)
-
-
-def forks_may_hang(version: Sequence[Any]) -> bool:
-    """Whether this Python (``sys.version_info``) can leave a forked process stuck in its own after-fork code, where
-    another thread held the runtime's thread-state lock at the fork (CPython issue gh-112275)."""
-    major, minor, micro = version[:3]
-    fixed = {8: 20, 9: 20, 10: 15, 11: 10}  # the first release of each line with the fix; 3.12 had it
-    return major == 3 and minor in fixed and micro < fixed[minor]
 
 
 @dataclass(frozen=True)
@@ -207,6 +192,8 @@ class LoaderSwitcher:
         self._restored = _Restored()
         self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
         self._random = _RandomBookkeeping()
+        self._fork_restarts = 0  # loaders started again after a worker hung in its fork, this fit
+        self._watch: ForkWatch | None = None  # held from `install` to `restore`
         self._guard_hooks = GuardHooks(
             replace=self._switch_if_pending,
             on_death=self._recover,
@@ -236,6 +223,9 @@ class LoaderSwitcher:
         self.trainer, self._first_epoch = trainer, None
         self.probe.apart = _lightning.launched_ranks(trainer)
         self.state.reloads = bool(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
+        self._fork_restarts = 0
+        if self._watch is None:
+            self._watch = watch_forks()  # before the first worker starts
         self._random.reset()
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
@@ -257,6 +247,9 @@ class LoaderSwitcher:
         for restore in reversed(self._restores):
             restore()
         self._restores = []
+        if self._watch is not None:
+            self._watch.release()
+            self._watch = None
 
     def shutdown(self) -> None:
         """Stop every worker set this switcher holds or made, now: the running iterator, a background start, one
@@ -291,8 +284,9 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
-        if forks_may_hang(sys.version_info) and start_method(loader) == "fork":  # the workers the tuner starts too
-            info_once("fork-hang", FORK_HANG.format(version=".".join(map(str, sys.version_info[:3]))))
+        if self._watch is not None and start_method(loader) == "fork":  # the workers the tuner starts too
+            version = ".".join(map(str, sys.version_info[:3]))
+            info_once("fork-hang", FORK_HANG.format(version=version, after_s=self._watch.after_s))
         self.alike = ranks_alike(loader)
         self._random.next = self._as_untuned(loader)
         kept, self._kept = self._kept, None
@@ -715,7 +709,20 @@ class LoaderSwitcher:
         return self._fall_back(loader, position, "workers failed to start", error)
 
     def _recover(self, error: BaseException, loader: DataLoader, position: int) -> DataLoader | None:
-        """A worker died: fall back, and continue the epoch at ``position``."""
+        """A worker died: fall back, and continue the epoch at ``position``. A worker stopped for hanging in its fork
+        (see :mod:`~lightning_dltune.switching.forkwatch`) says nothing of the settings: the loader starts again on
+        them, a few times at most."""
+        current = self.state.current
+        if stopped_by_watch(error) and current is not None and self._fork_restarts < MAX_FORK_RESTARTS:
+            self._fork_restarts += 1
+            warn_once(
+                f"fork-restart-{self._fork_restarts}",
+                f"DataLoaderTuner: a train loader worker hung in its fork and was stopped; started the loader again "
+                f"on {current.describe()} at batch {position}: no sample lost or repeated.",
+                every_rank=True,
+            )
+            self.probe.leave_out_fetch()
+            return self._build(loader, current)
         return self._fall_back(loader, position, "a DataLoader worker died", error)
 
     def _fall_back(self, loader: DataLoader, position: int, kind: str, error: BaseException) -> DataLoader | None:
