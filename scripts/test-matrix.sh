@@ -16,7 +16,8 @@
 # torch is still the release it installed. The venvs live under $DLTUNE_MATRIX_DIR (default ~/.cache/dltune-matrix)
 # and are reused by later runs. Without pytest arguments a leg runs the compatibility subset below: every private
 # Lightning and PyTorch attribute the tuner uses, every hook with a real Trainer, failures, resume, in-epoch switching,
-# the loader libraries and the torchvision pipeline. Prints one line per leg; exits non-zero when a leg failed.
+# the loader libraries, the torchvision pipeline, and PyTorch's worker-death message the fork watch reads. Prints one
+# line per leg; exits non-zero when a leg failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +26,7 @@ COMPAT_TESTS=(
     tests/test_callback.py
     tests/test_exception.py
     tests/test_failure_paths.py
+    tests/test_forkwatch.py
     tests/test_resume.py
     tests/test_in_epoch.py
     tests/test_eval_loaders.py
