@@ -398,6 +398,8 @@ def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)  # not read twice: its growth is unknown
     watch.sample()
     t[0] += 1.0
+    for _ in range(2):  # one worker loads each batch: 2 batches apart, its readings measure its growth
+        watch.batch_taken()
     watch.sample()  # read twice, not growing
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_FAR)  # 5 s: 2% of a CPU
     watch.pressure = 0.8
@@ -416,6 +418,32 @@ def test_the_memory_watch_spends_little_cpu_far_from_the_budget_and_reads_often_
     assert watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)
     watch._read_s = 0.005
     assert watch.next_interval() == 0.25  # cheap reads: every 0.25 s at most
+
+
+def test_readings_too_few_batches_apart_do_not_measure_the_workers_growth():
+    # 4 workers each keeping 1 MiB of every batch they load, dealt batches in turn: read at batches 1 and 3 (a busy
+    # host's thread), two of them loaded nothing between; that read as no growth, the thread went to its slow pace
+    # and the check at each step let the workers reach 520 MiB of a 160 MiB budget before the next reading
+    from lightning_dltune.measurement.probe import CPU_SHARE_NEAR
+
+    pids, loaded = [11, 12, 13, 14], dict.fromkeys([11, 12, 13, 14], 2)  # each loaded its 2 prefetched batches
+    watch = MemoryWatch(lambda: pids, read=lambda ps: [(20 + loaded[p]) * MiB for p in ps])
+    watch._read_s, watch.budget_bytes = 0.1, 160 * MiB
+
+    def take(n):
+        for _ in range(n):
+            watch.batch_taken()
+            loaded[pids[watch.batches % 4]] += 1
+
+    take(1)
+    watch.sample()
+    take(2)
+    watch.sample()  # 2 batches later: growth unknown, not none; read at the near pace; the at-most bound stands
+    assert watch.measured_growth == 0 and watch.next_interval() == pytest.approx(0.1 / CPU_SHARE_NEAR)
+    assert watch.growth_bytes >= watch.held(4) / 3 - 4 * watch.flight_bytes
+    take(6)
+    watch.sample()  # 8 batches after the first reading: 2 loads each, 1 MiB a batch taken, all 4 together
+    assert watch.measured_growth == pytest.approx(1 * MiB)
 
 
 @pytest.mark.parametrize(

@@ -65,17 +65,22 @@ SYNC_READ_WORKERS = 2
 CPU_SHARE_FAR = 0.02  # of one CPU the memory readings may take while the workers are far from the budget
 CPU_SHARE_NEAR = 0.10  # ... and once they hold 3/4 of it
 RECENT_READINGS = 6  # the running workers' growth is read over their latest readings, of any window
+# A worker loads about one batch in each `workers` taken, in whole batches: readings fewer batches apart than
+# GROWTH_SPAN_LOADS such turns each may differ by none of its loads, and their growth is not taken as measured
+GROWTH_SPAN_LOADS = 2
 
 
-def _worker_growth(before: dict[int, tuple[float, int]], sizes: dict[int, float], batches: int) -> float | None:
-    """One worker's growth per batch taken (by any worker), the mean over the workers read now that were read
-    before, each between its own two readings (``before``: size and batches then); ``None`` where none was. A total
-    over a reading of a few workers holds the others' older readings, so its slope reads the growth too low (half
-    of it, for a leaking loader read two workers of four at a time)."""
+def _worker_growth(
+    before: dict[int, tuple[float, int]], sizes: dict[int, float], batches: int, span: int = 1
+) -> float | None:
+    """One worker's growth per batch taken (by any worker), the mean over the workers read now that were read at
+    least ``span`` batches before, each between its own two readings (``before``: size and batches then); ``None``
+    where none was. A total over a reading of a few workers holds the others' older readings, so its slope reads the
+    growth too low (half of it, for a leaking loader read two workers of four at a time)."""
     rates = [
         (size - before[pid][0]) / (batches - before[pid][1])
         for pid, size in sizes.items()
-        if pid in before and batches > before[pid][1]
+        if pid in before and batches - before[pid][1] >= max(1, span)
     ]
     return max(0.0, sum(rates) / len(rates)) if rates else None
 
@@ -117,6 +122,7 @@ class MemoryWatch:
         self._window = 0  # bumped by take(): a reading begun before it belongs to no window
         self._pids: frozenset[int] = frozenset()
         self._each: dict[int, tuple[float, int]] = {}  # each running worker's latest reading, and `batches` then
+        self._anchor: dict[int, tuple[float, int]] = {}  # ... and the one its growth is read from (see _span)
         self._rotation = 0  # where the next partial reading starts among the workers (see sample)
         self._newest: MemorySample | None = None  # the latest reading of any window (of the workers in `_pids`)
         self._set_start = 0
@@ -126,7 +132,7 @@ class MemoryWatch:
         self._built = 0  # with `batches` at its time; bumped by loader_built: a reading begun before is not of it
         self._built_at = 0  # `batches` when the running loader was built
         self._recent: list[MemorySample] = []  # the running worker set's latest readings, of any window
-        self._set_growth: float | None = None  # their growth per batch taken (None: fewer than two readings)
+        self._set_growth: float | None = None  # their growth per batch taken (None: not read, see _growth_read)
         self._rated = False  # ... from workers read twice (see _worker_growth), not from the totals' slope
         self._set_rate = 0.0  # ... and per second
         self._batch_rate = 0.0  # batches taken per second over those readings
@@ -161,11 +167,14 @@ class MemoryWatch:
             if frozenset(pids) != self._pids:
                 self._pids, self._set_start = frozenset(pids), batches
                 self._recent, self._set_growth, self._set_rate, self._each = [], None, 0.0, {}
-                self._batch_rate, self._rated = 0.0, False
-            rate = _worker_growth(self._each, sizes, batches)
+                self._batch_rate, self._rated, self._anchor = 0.0, False, {}
+            rate = _worker_growth(self._anchor, sizes, batches, self._span)
             if rate is not None:  # each worker read again: the set grows as they do, however few were read now
                 self._set_growth, self._rated = rate * len(pids), True
             self._each.update({pid: (size, batches) for pid, size in sizes.items()})
+            self._anchor.update(
+                {p: self._each[p] for p in sizes if p not in self._anchor or batches - self._anchor[p][1] >= self._span}
+            )
             mean, per_worker = sum(sizes.values()) / len(sizes), self.measured_growth / len(pids)
             each = sizes if read is pids else {pid: self._unread(pid, mean, per_worker) for pid in pids}
             workers, total = len(each), sum(each.values())
@@ -174,11 +183,11 @@ class MemoryWatch:
             reading = MemorySample(self._clock(), batches - self._set_start, workers, total, max(each.values()))
             self._newest = reading
             self._recent = [*self._recent[-(RECENT_READINGS - 1) :], reading]
-            if len(self._recent) == 1 and batches > self._built_at and self._fitted_growth <= 0:
+            if not self._growth_read and batches > self._built_at and self._fitted_growth <= 0:
                 # the first workers read, their growth not known: at most all they hold per batch taken
                 self._set_growth = total / (batches - self._built_at)
             if len(self._recent) >= 2:
-                if not self._rated:  # a total with workers not read now holds their older readings
+                if not self._rated and self._growth_read:  # a total with workers not read now holds older readings
                     self._set_growth = slope([r.batches for r in self._recent], [r.total_bytes for r in self._recent])
                 self._set_rate = slope([r.t for r in self._recent], [r.total_bytes for r in self._recent]) or 0.0
                 self._batch_rate = slope([r.t for r in self._recent], [r.batches for r in self._recent]) or 0.0
@@ -198,6 +207,19 @@ class MemoryWatch:
         return size + max(0.0, per_worker) * max(0, self.batches - at)
 
     @property
+    def _span(self) -> int:
+        """The fewest batches taken between two readings whose difference measures the running workers' growth."""
+        return GROWTH_SPAN_LOADS * max(1, len(self._pids))
+
+    @property
+    def _growth_read(self) -> bool:
+        """Whether the running workers' growth was read: each of a worker's two readings (:func:`_worker_growth`),
+        or their latest readings' totals, at least :attr:`_span` batches apart (nearer readings read a growth of none
+        where the workers loaded nothing between them, and the check at each step then let them past the budget)."""
+        recent = self._recent
+        return self._rated or (len(recent) >= 2 and recent[-1].batches - recent[0].batches >= self._span)
+
+    @property
     def newest_in_window(self) -> bool:
         """Whether the workers' newest reading (the one :meth:`held` counts from) is one of this window's."""
         held_from = self._held_from
@@ -215,10 +237,11 @@ class MemoryWatch:
 
     @property
     def measured_growth(self) -> float:
-        """:attr:`growth_bytes` as measured: over two readings or more, or fitted by a window; not the first
-        reading's at-most bound (all they hold over the batches taken), which only asks for a reading."""
+        """:attr:`growth_bytes` as measured: over readings far enough apart (:attr:`_growth_read`), or fitted by a
+        window; not the at-most bound of readings before that (all they hold over the batches taken), which only
+        asks for a reading."""
         fitted = self._fitted_growth
-        return max(self._set_growth or 0.0, fitted) if len(self._recent) >= 2 or self._rated else fitted
+        return max(self._set_growth or 0.0, fitted) if self._growth_read else fitted
 
     @property
     def lead_bytes(self) -> float:
@@ -292,6 +315,7 @@ class MemoryWatch:
             start = MemorySample(self._clock(), 0, workers, 0.0, 0.0)
             self._held_from, self._pids = ((start, self.batches) if workers > 0 else None), frozenset()
             self._recent, self._set_growth, self._set_rate, self._batch_rate = [], None, 0.0, 0.0
+            self._rated = False
 
     def start(self) -> None:
         if self._thread is None:
@@ -303,12 +327,12 @@ class MemoryWatch:
         """Seconds to the next reading: ``interval_s``, stretched so that reading takes at most 2% of a CPU while
         the workers hold under 3/4 of the budget, 10% above that, while :attr:`measuring` (a window that exists
         to fit the workers' growth needs three readings or more: on a busy host at 2% it could get two), and until
-        a new loader's workers were read twice (their growth is not known before). Between the two, half the time
+        a new loader's workers' growth was read (:attr:`_growth_read`: not known before). Between the two, half the time
         the workers take to reach the budget, growing per second as their latest readings did, or as
         :attr:`growth_bytes` per batch at the pace batches were taken between them, whichever is faster."""
         near = max(self.interval_s, self._read_s / CPU_SHARE_NEAR)
         far = max(self.interval_s, self._read_s / CPU_SHARE_FAR)
-        if self.pressure >= 0.75 or self.measuring or len(self._recent) < 2:
+        if self.pressure >= 0.75 or self.measuring or not self._growth_read:
             return near
         held, budget = self.held(), self.budget_bytes
         rate = max(self._set_rate, self.growth_bytes * self._batch_rate)  # per second
