@@ -300,7 +300,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             left,
             self.agreement.any if self.agreement.distributed else None,
             lambda: self.agreement.largest(batches * now.mean_wall_s),
-            lambda: self.state.undecided(now, self.agreement.distributed),
+            lambda: self.state.undecided(now, self.agreement.distributed) or self.state.whole_epoch,
         ):
             self._close_window(trainer, now=True, done=batch_idx + 1)
 
@@ -347,10 +347,10 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         assert self.budget is not None
         running = self.probe.held_bytes(self.state.current)  # before the window's close takes the readings
         stats = self._measured() if not self.state.done else self.probe.memory_only()
-        left = remaining_steps(trainer, done)
+        left, epoch = remaining_steps(trainer, done), trainer.num_training_batches
         in_epoch = not (ranks := self.agreement.distributed) and now  # where a switch up may start in the background
         in_place = self.switcher.changes_in_place  # a prefetch change restarts nothing, more workers start alone
-        choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place)  # noqa: E731
+        choose = lambda s, b, f: self.state.decide(s, b, left, f, in_epoch, in_place, epoch)  # noqa: E731
         budget = beside(self.budget, self.evals.held_bytes())  # the evaluation loops' persistent workers
         stats, budget, decision = self.agreement.decide(stats, budget, choose, self.state.unagreed, self.state.current)
         failures, stalls = self.agreement.failures, self.agreement.rank_stalls  # no stalls in a single process

@@ -212,3 +212,31 @@ def test_under_ddp_each_rank_has_its_own_entry_and_ranks_compare_keys_apart_from
     cache, state, agreement = RunCache(path), TuningState(), Agreement(strategy)
     assert cache.start(state, loader, 1.0, trainer, {}, agreement) == agreed and state.cache_hit
     assert cache.own is not None and cache.own["own_workers"] == 8 and agreement.widest == 0.4
+
+
+def test_a_config_settled_on_to_load_each_epoch_ahead_is_cached_so_and_judged_at_the_epoch_end_again(tmp_path):
+    """The next run starting from the cache judges it as the run that chose it did (its first steps wait on the
+    burst) and keeps its seamless epochs off; any other entry is judged as before."""
+    from lightning_dltune.output.cache import RunCache
+    from lightning_dltune.tuning.state import TuningState
+
+    from test_rules import BUDGET, CPU_STEP, trial
+
+    state = TuningState()
+    state.start = state.current = LoaderSettings()
+    for stats, epoch_steps in ((CPU_STEP.stats, 64), (trial(8, 5, 25, prefetch=8).stats, 64)):
+        decision = state.decide(stats, BUDGET, None, epoch_steps=epoch_steps)
+        state.apply(decision, stats, BUDGET, step=64)
+        state.current = decision.settings
+    assert state.done and state.trials[-1].rule == "loaded_ahead_paid"
+    cache = RunCache(tmp_path / "c.json")
+    cache.fields = FIELDS
+    cache.teach(state)
+    settings, entry = TuningCache(tmp_path / "c.json").get(FIELDS)
+    assert settings == LoaderSettings.normalized(8, 8) and entry["loads_ahead"] is True
+    again = TuningState()
+    assert again.start_from_cache(settings, entry)
+    assert again.whole_epoch and again.loads_ahead(8, 8)
+    other = TuningState()
+    assert other.start_from_cache(settings, {"samples_per_s": 100.0})
+    assert not other.whole_epoch and not other.loads_ahead(8, 8)

@@ -2,6 +2,7 @@
 ``decide``): the rule decides, and the decision records its name. A rule added without a case here fails
 ``test_every_rule_has_a_case``."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -92,6 +93,16 @@ CASES = {
         cfg(16),
     ),
     "workers_would_contend": ([CPU_STEP], BUDGET, {}, "settle", cfg(0)),
+    # the same, in 64-batch epochs: 8 workers at prefetch 8 hold one, loaded in a burst at its start
+    "load_epoch_ahead": ([CPU_STEP], BUDGET, {"epoch_steps": 64}, "try", cfg(8, 8)),
+    # ... and it paid: 30 ms a step against 44 (its first steps waited for the burst: 17% stalled)
+    "loaded_ahead_paid": (
+        [replace(CPU_STEP, rule="load_epoch_ahead"), trial(8, 5, 25, prefetch=8)],
+        BUDGET,
+        {"epoch_steps": 64},
+        "settle",
+        cfg(8, 8),
+    ),
     "jump_to_the_model": ([trial(0, 160, 10, fetch_cpu_ms=1)], BUDGET, {}, "try", cfg(16)),
     # the overrides of a settle
     "settle_within_memory": (
@@ -156,6 +167,37 @@ def test_a_trial_records_its_rule_and_a_failed_config_is_named_so():
     state.current = cfg(16)
     state.fail(WindowStats(), "a DataLoader worker died: killed", BUDGET, step=50)
     assert state.trials[-1].rule == "config_failed" and state.trials[-1].failed
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 8 workers on 2 CPUs, never started
+def test_an_epoch_loaded_ahead_is_judged_at_its_end_and_its_loader_does_not_go_on_into_the_next_epoch():
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from lightning_dltune.switching.seamless import Seamless
+    from lightning_dltune.switching.switch import ResumableBatchSampler
+
+    state = TuningState()
+    state.start = state.current = cfg(0)
+    decision = state.decide(CPU_STEP.stats, BUDGET, None, epoch_steps=64)
+    assert (decision.rule, decision.settings) == ("load_epoch_ahead", cfg(8, 8))
+    state.apply(decision, CPU_STEP.stats, BUDGET, step=3)
+    state.current = cfg(8, 8)
+    burst = trial(8, 40, 50, prefetch=8, steps=12).stats  # its first steps wait on the burst: plainly stalled
+    assert not state.judge_early(burst, BUDGET) and not state.undecided(burst) and state.whole_epoch
+    assert state.loads_ahead(8, 8) and not state.loads_ahead(8, 2)
+
+    def loader(workers, prefetch):
+        batches = ResumableBatchSampler(SequentialSampler(range(64)), 1, False)
+        return DataLoader(range(64), batch_sampler=batches, num_workers=workers, prefetch_factor=prefetch)
+
+    seamless = Seamless(bursts=lambda d: state.loads_ahead(d.num_workers, d.prefetch_factor))
+    assert "load each epoch ahead" in seamless.why_not(loader(8, 8))
+    assert seamless.why_not(loader(8, 2)) is None  # any other loader goes on, as before
+    paid = trial(8, 5, 25, prefetch=8)
+    settle = state.decide(paid.stats, BUDGET, None, epoch_steps=64)
+    assert (settle.rule, settle.action, settle.settings) == ("loaded_ahead_paid", "settle", cfg(8, 8))
+    state.apply(settle, paid.stats, BUDGET, step=64)
+    assert not state.whole_epoch and state.loads_ahead(8, 8)  # settled on it: still no seamless epochs
 
 
 def test_every_rule_has_a_case():
@@ -247,6 +289,27 @@ def test_no_more_workers_where_the_model_s_count_was_measured_already():
     decision = decide(trials, Budget(cpus=2.0, max_workers=12))
     assert (decision.rule, decision.action, decision.settings) == ("no_more_workers", "settle", cfg(8))
     assert "was already measured" in decision.reason
+
+
+def test_an_epoch_is_loaded_ahead_only_where_the_budgets_hold_it_and_a_trial_that_did_not_pay_settles_back():
+    """Beside a step that computes on both CPUs, 64-batch epochs fit 8 workers at prefetch 8: tried, and judged at
+    the epoch's end. Epochs longer than 16 workers at prefetch 8 hold, or an unknown length, settle at 0 workers as
+    before; so does a memory budget that holds fewer workers. A trial slower than 0 workers settles back on them."""
+    decision = decide([CPU_STEP], BUDGET, epoch_steps=64)
+    assert decision.whole_epoch and "predicted to take 2.05 s against 2.82 s now" in decision.reason, decision
+    for kwargs in ({"epoch_steps": 129}, {"epoch_steps": math.inf}, {}):
+        assert decide([CPU_STEP], BUDGET, **kwargs).rule == "workers_would_contend", kwargs
+    tight = Budget(cpus=2.0, max_workers=7)
+    assert decide([CPU_STEP], tight, epoch_steps=64).rule == "workers_would_contend"
+    # where the model expected no contention and 2 workers were tried: their step slowed from 20 to 50 ms
+    measured = decide([CPU_STEP, trial(2, 5, 50, steps=40)], BUDGET, epoch_steps=64)
+    assert (measured.rule, measured.settings) == ("load_epoch_ahead", cfg(8, 8)), measured
+    assert "(workers=2 prefetch=2 slowed it)" in measured.reason
+    unslowed = decide([CPU_STEP, trial(2, 30, 20, steps=40)], BUDGET, epoch_steps=64)  # slower, not its step
+    assert unslowed.rule == "change_did_not_pay", unslowed
+    slower = trial(8, 10, 40, prefetch=8)  # 50 ms a step against 44
+    back = decide([replace(CPU_STEP, rule="load_epoch_ahead"), slower], BUDGET, epoch_steps=64)
+    assert (back.action, back.settings) == ("settle", cfg(0)), back
 
 
 def test_contention_is_expected_before_a_trial_where_the_step_leaves_the_loading_no_idle_cpu():

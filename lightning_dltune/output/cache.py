@@ -267,6 +267,8 @@ class RunCache:
         """Remember what ``state`` (a ``TuningState`` whose tuning ended) settled on; ``own``: what this rank's entry
         keeps beside it under DDP (:meth:`~lightning_dltune.tuning.agree.Agreement.cache_extra`)."""
         settings = state.cacheable()
+        if settings is not None and state.loads_ahead(settings.num_workers, settings.prefetch_factor):
+            own = {**(own or {}), "loads_ahead": True}  # the next run judges it at the epoch's end, as this one did
         self.remember(settings, state.final_trial(settings) if settings else None, state.memory_limit, own)
 
     @property

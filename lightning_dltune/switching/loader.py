@@ -216,6 +216,7 @@ class LoaderSwitcher:
             shutdown=_lightning.shutdown_unless_owned,
             goes_on=lambda ahead: self.trainer is None or fit_goes_on(self.trainer, ahead),
             untuned_creates=lambda: (self._random.next or self._random.now).draws_base,
+            bursts=lambda loader: self.state.loads_ahead(loader.num_workers, loader.prefetch_factor),
         )
 
     # --- set-up ---------------------------------------------------------------------------------------------

@@ -81,8 +81,10 @@ class Seamless:
         goes_on: Callable[[int], bool] = lambda ahead: True,
         untuned_creates: Callable[[], bool] = lambda: False,
         before_epoch: Callable[[torch.Generator, int], None] = lambda generator, epoch: None,
+        bursts: Callable[[DataLoader], bool] = lambda loader: False,
     ) -> None:
         self.setting = setting
+        self.bursts = bursts
         self.before_epoch = before_epoch
         self.epoch, self.base_draws, self.untuned_creates = epoch, base_draws, untuned_creates
         self._serve, self._release, self._shutdown, self._goes_on = serve, release, shutdown, goes_on
@@ -114,6 +116,8 @@ class Seamless:
             return "its batches are not drawn by the tuner's batch sampler"
         if loader.num_workers == 0:
             return "no workers"
+        if self.bursts(loader):
+            return "the tuner chose it to load each epoch ahead at its start, not beside the last epoch's steps"
         sampler = loader.batch_sampler.sampler
         if self.setting is True or isinstance(sampler, SequentialSampler) or hasattr(sampler, "set_epoch"):
             return None

@@ -42,6 +42,13 @@ def busy_per_step(s: WindowStats) -> tuple[float, float]:
     return (s.step_s + s.other_s) / s.steps, s.busy_sem_s
 
 
+def step_slowed(base: Trial, t: Trial, policy: Policy = Policy()) -> bool:
+    """Whether ``t``'s step (its busy time) took ``min_gain`` longer than ``base``'s beyond two standard errors: the
+    workers took CPUs the step needed."""
+    (busy0, sem0), (busy, sem) = busy_per_step(base.stats), busy_per_step(t.stats)
+    return busy > busy0 * (1 + policy.min_gain) + 2 * math.hypot(sem, sem0)
+
+
 def pick_best(trials: Sequence[Trial], policy: Policy = Policy(), memory_limit: int | None = None) -> Trial:
     """The cheapest usable trial whose time per sample is within measured noise of the fastest one; the starting
     config unless that one is faster than it beyond noise (by ``min_gain`` at least). Times and their noise leave

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tuning import memory
-from lightning_dltune.tuning.compare import busy_per_step
+from lightning_dltune.tuning.compare import busy_per_step, step_slowed
 from lightning_dltune.tuning.memory import MiB, WorkerMemory
 from lightning_dltune.tuning.model import (
     Bound,
@@ -204,6 +203,24 @@ def accelerator_bound(r: Reading) -> str | None:
     )
 
 
+def loaded_ahead(r: Reading) -> str | None:
+    """The run settled on a config tried to load each epoch ahead (``rules.load_epoch_ahead``): workers beside the
+    step would contend with it, and these load the epoch while the step waits at its start."""
+    i = r.trials.index(r.final) if r.final in r.trials else 0
+    if i == 0 or r.trials[i - 1].rule != "load_epoch_ahead" or r.final.settings != r.settled:
+        return None
+    before, k = r.trials[i - 1], step_cpus(r.start.stats)
+    return (
+        f"CPU contention, avoided by loading ahead: the step computes on {k:.1f} of the {r.budget.cpus:g} CPUs, so "
+        f"workers loading beside it would slow it; {r.on} hold {r.settled.batches_in_flight} batches in flight and "
+        f"load each epoch's batches in a burst at its start, after which the step runs alone: "
+        f"{r.final.compared_sec_per_sample * 1e3:.2f} ms a sample against "
+        f"{before.compared_sec_per_sample * 1e3:.2f} ms with {before.settings.describe()} (stall "
+        f"{r.fs.effective_stall_frac:.1%}). This holds while an epoch fits in flight; for longer epochs, "
+        f"`torch.set_num_threads(n)` with n under {r.budget.cpus:g} leaves CPUs to workers."
+    )
+
+
 def loading_hidden(r: Reading) -> str | None:
     """Input-bound at the start, and the settled config hides the loading."""
     if r.fs.effective_stall_frac > r.th:
@@ -267,9 +284,9 @@ def workers_contend(r: Reading) -> str | None:
     k = step_cpus(start.stats)
     if start.settings.num_workers != 0 or k < r.policy.step_cpu_min:
         return None
-    cpus, (busy0, sem0) = r.budget.cpus, busy_per_step(start.stats)
+    cpus, busy0 = r.budget.cpus, busy_per_step(start.stats)[0]
     slowed = [(t, busy_per_step(t.stats)) for t in r.more if t.settings.num_workers > settled.num_workers]
-    slowed = [(t, b) for t, b in slowed if b[0] > busy0 * (1 + r.policy.min_gain) + 2 * math.hypot(b[1], sem0)]
+    slowed = [(t, b) for t, b in slowed if step_slowed(start, t, r.policy)]
     fix = "give the job more CPUs or make loading cheaper"
     if k > 1:
         threads = f"`torch.set_num_threads(n)` with n under {cpus:g} leaves CPUs to workers"
@@ -378,6 +395,7 @@ DIAGNOSES: tuple[Diagnosis, ...] = (
     host_bound,
     transfer_bound,
     accelerator_bound,
+    loaded_ahead,
     loading_hidden,
     one_rank_holds_up,
     held_by_memory,

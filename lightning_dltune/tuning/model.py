@@ -185,6 +185,7 @@ class Decision:
     failed: str | None = None
     probe_memory: bool = field(default=False, compare=False)  # the next window is there to read the workers' memory
     rule: str = field(default="", compare=False)  # the rule that made it (see `RULES`)
+    whole_epoch: bool = field(default=False, compare=False)  # the next window is judged at its epoch's end, never early
 
 
 def estimate(
@@ -530,6 +531,25 @@ def contention_eats_the_gain(est: Estimate, now_s: float, hand_s: float, min_gai
     worker's hand-over (``hand_s``), is not ``min_gain`` shorter than the step now (``now_s``, its wall time)."""
     stretched = contended_s(est)
     return est.step_cpus > 0 and stretched > est.busy_s + hand_s and stretched >= now_s * (1 - min_gain)
+
+
+def ahead_config(est: Estimate, budget: Budget, cur: LoaderSettings, epoch_steps: int) -> LoaderSettings | None:
+    """``cur`` with the fewest workers, at the deepest prefetch the budgets allow, whose batches in flight hold an
+    epoch of ``epoch_steps`` batches (``None``: ``max_workers``, memory or /dev/shm cannot hold one). Not the CPU cap:
+    workers loading ahead wait for the CPUs in turn; what counts is that they hold the epoch."""
+    prefetch = max(1, budget.max_prefetch)
+    workers = math.ceil(epoch_steps / prefetch)
+    caps = [budget.max_workers, est.mem_cap_workers, est.shm_cap_slots and est.shm_cap_slots // prefetch]
+    if workers < 1 or any(cap is not None and cap < workers for cap in caps):
+        return None
+    return cur.with_workers(workers).with_prefetch(prefetch)
+
+
+def ahead_epoch_s(est: Estimate, epoch_steps: int) -> float:
+    """An epoch's predicted time where workers load it ahead (:func:`ahead_config`): its batches are loaded in a burst
+    on every CPU (their loading's CPU time over the CPUs) while the step waits, then the step runs alone. Optimistic:
+    the burst still overlaps the first steps (docs/how-it-decides.md, "Loading an epoch ahead"); the trial decides."""
+    return epoch_steps * (est.cpu_per_batch_s / est.worker_cpus + est.busy_s)
 
 
 def start_s(

@@ -3,6 +3,7 @@ small function of one :class:`Situation` that decides or passes. Each rule's evi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -10,7 +11,7 @@ from typing import Any
 
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tuning import memory
-from lightning_dltune.tuning.compare import as_fast, faster_by, pick_best
+from lightning_dltune.tuning.compare import as_fast, faster_by, pick_best, step_slowed
 from lightning_dltune.tuning.memory import MiB
 from lightning_dltune.tuning.model import (
     Bound,
@@ -20,6 +21,8 @@ from lightning_dltune.tuning.model import (
     Policy,
     Prediction,
     Trial,
+    ahead_config,
+    ahead_epoch_s,
     bound_words,
     bursty,
     busy_time,
@@ -118,9 +121,12 @@ class Situation:
         in_epoch: bool = False,
         in_place: bool = False,
         memory_limit: int | None = None,
+        epoch_steps: float | None = None,
     ) -> None:
         self.trials, self.budget, self.policy, self.remaining = trials, budget, policy, remaining_steps
         self.probed, self.in_epoch, self.in_place, self.memory_limit = probed, in_epoch, in_place, memory_limit
+        finite = epoch_steps is not None and math.isfinite(epoch_steps) and epoch_steps > 0
+        self.epoch = int(epoch_steps) if epoch_steps is not None and finite else None  # batches an epoch (or unknown)
         self.last = trials[-1]
         self.usable = [t for t in trials if t.usable]
         self.cur, self.w = self.last.settings, self.last.settings.num_workers
@@ -250,6 +256,19 @@ def change_did_not_pay(s: Situation) -> Decision | None:
     return s.settle("change_did_not_pay", reason)
 
 
+def loaded_ahead_paid(s: Situation) -> Decision | None:
+    """A trial that loaded its epoch ahead (:func:`load_epoch_ahead`) and paid (:func:`change_did_not_pay` passed)
+    settles on it: more workers or deeper prefetch would load the same epoch ahead again."""
+    if len(s.trials) < 2 or s.trials[-2].rule != "load_epoch_ahead" or s.picked is not s.last:
+        return None
+    prev = s.trials[-2]
+    return s.settle(
+        "loaded_ahead_paid",
+        f"loading the epoch ahead took {s.last.compared_sec_per_sample * 1e3:.2f} ms a sample against "
+        f"{prev.compared_sec_per_sample * 1e3:.2f} ms with {prev.settings.describe()}",
+    )
+
+
 def running_outgrows_memory(s: Situation) -> Decision | None:
     """Workers predicted to outgrow the memory budget within their life settle at once on the most that fit."""
     outgrown = _outgrown(s.est, s.cur, s.budget)
@@ -354,6 +373,39 @@ def workers_would_contend(s: Situation) -> Decision | None:
     )
 
 
+def load_epoch_ahead(s: Situation) -> Decision | None:
+    """Where the best config measured is 0 workers and workers contend with a step that computes on the CPUs (predicted
+    there, as :func:`workers_would_contend` reads it, or measured: the last trial's workers slowed a step that
+    computes on ``step_cpu_min`` CPUs or more beyond noise), but the budgets hold an epoch in flight
+    (:func:`~.model.ahead_config`): those workers load it in a burst at its start, and the step then runs alone.
+    Tried where the epoch is predicted ``min_gain`` faster (:func:`~.model.ahead_epoch_s`), judged at the epoch's
+    end (its first steps wait while the burst loads); seamless epochs are off for it."""
+    base = s.picked
+    if s.epoch is None or base.settings.num_workers != 0 or base.stats.mean_wall_s <= 0:
+        return None
+    est, now = estimate([base], s.budget, s.policy), base.stats.mean_wall_s
+    if s.w == 0 and not contention_eats_the_gain(est, now, s.hand, s.policy.min_gain):
+        return None
+    if s.w > 0 and (est.step_cpus < s.policy.step_cpu_min or not step_slowed(base, s.last, s.policy)):
+        return None
+    cand = ahead_config(est, s.budget, base.settings, s.epoch)
+    if cand is None or cand in s.tried:
+        return None
+    epoch_s = ahead_epoch_s(est, s.epoch)
+    if epoch_s > (1 - s.policy.min_gain) * s.epoch * now:
+        return None
+    seen = "would contend with the step" if s.w == 0 else f"contend with the step ({s.cur.describe()} slowed it)"
+    reason = (
+        f"workers {seen}, which computes on {est.step_cpus:.1f} of the {est.worker_cpus:g} CPUs; "
+        f"{cand.describe()} hold the epoch's {s.epoch} batches in flight: loaded ahead, an epoch is predicted to "
+        f"take {epoch_s:.2f} s against {s.epoch * now:.2f} s now"
+    )
+    wasted = _wasted(cand, now - epoch_s / s.epoch, s.predict(cand).start_s, s.remaining)
+    if wasted:
+        return Decision("hold", cand, wasted, rule="start_costs_more")
+    return Decision("try", cand, reason, rule="load_epoch_ahead", whole_epoch=True)
+
+
 def jump_to_the_model(s: Situation) -> Decision | None:
     """The model's count, within the budgets, is tried next (a smaller one first where a worker's memory was not
     read yet and the count would not fit if each came to hold what this process holds)."""
@@ -388,7 +440,9 @@ RULES: tuple[Rule, ...] = (
     config_failed,
     stall_below_threshold,
     trials_spent,
+    load_epoch_ahead,
     change_did_not_pay,
+    loaded_ahead_paid,
     running_outgrows_memory,
     handover_eats_the_gain,
     bursty_waits,
@@ -460,6 +514,7 @@ def decide(
     in_epoch: bool = False,
     in_place: bool = False,
     memory_limit: int | None = None,
+    epoch_steps: float | None = None,
 ) -> Decision:
     """What to do after the last trial: keep measuring it, try another config, settle, or hold. The first of
     :data:`RULES` that decides makes the decision (its name is ``Decision.rule``); a settle then passes through
@@ -472,14 +527,15 @@ def decide(
     decision is ``"hold"``: stay on the current config for the rest of this run, with the config that would be
     tried next in ``settings``. ``in_epoch``: the switch would happen inside an epoch on one process, where more
     workers start in the background. ``in_place``: a change of ``prefetch_factor`` alone is made on the running
-    workers, and more workers start beside them. ``memory_limit``: see :func:`pick_best`.
+    workers, and more workers start beside them. ``memory_limit``: see :func:`pick_best`. ``epoch_steps``: batches an
+    epoch (``None`` or infinite: unknown).
 
     Raises:
         ValueError: if ``trials`` is empty.
     """
     if not trials:
         raise ValueError("`trials` is empty; measure the starting config first.")
-    s = Situation(trials, budget, policy, remaining_steps, probed, in_epoch, in_place, memory_limit)
+    s = Situation(trials, budget, policy, remaining_steps, probed, in_epoch, in_place, memory_limit, epoch_steps)
     decision = next(d for d in map(lambda rule: rule(s), RULES) if d is not None)
     if decision.action != "settle" or decision.rule in FINAL:
         return decision

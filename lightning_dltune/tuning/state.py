@@ -97,7 +97,20 @@ class TuningState:
         self.rank_workers: list[int] = []  # under DDP, each rank's own count once tuning ended (Agreement.own_change)
         self._cached_entry: dict[str, Any] | None = None
         self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
+        self._whole_epoch = False  # the running config's window loads its epoch ahead: judged at the epoch's end
+        self._ahead: LoaderSettings | None = None  # the config tried to load each epoch ahead (rules.load_epoch_ahead)
         self._budget: Budget | None = None  # the budget the last window was judged under (see undecided)
+
+    @property
+    def whole_epoch(self) -> bool:
+        """Whether the running config's window loads its epoch ahead: it closes at the epoch's end, not inside it."""
+        return self._whole_epoch
+
+    def loads_ahead(self, workers: int, prefetch: int | None) -> bool:
+        """Whether a loader of ``workers`` at ``prefetch`` is the config tried to load each epoch ahead in a burst at
+        its start (then it does not go on into the next epoch beside this one's steps: seamless epochs are off)."""
+        ahead = self._ahead
+        return ahead is not None and (ahead.num_workers, ahead.prefetch_factor) == (workers, prefetch)
 
     @property
     def probing_memory(self) -> bool:
@@ -145,6 +158,8 @@ class TuningState:
         limit = entry.get("memory_limit_workers")
         if isinstance(limit, int) and limit >= 0:
             self.memory_limit = limit
+        if entry.get("loads_ahead") is True:  # settled on loading each epoch ahead (rules.load_epoch_ahead)
+            self._ahead, self._whole_epoch = settings, True
         return True
 
     @property
@@ -166,7 +181,7 @@ class TuningState:
         only when the window closes, so only a plain stall after ``min_steps``. Never for a window that reads a
         smaller config's memory before a far jump. ``budget``: the tuner's, its worker cap lowered to the memory
         limit (``None``: never after one step)."""
-        if self.current is None or not self.tuning or self._probing_memory:
+        if self.current is None or not self.tuning or self._probing_memory or self._whole_epoch:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
@@ -191,7 +206,7 @@ class TuningState:
         :data:`~lightning_dltune.tuning.windows.RUNS_ON` holds (``win_not_yet_shown`` only where judging it now would
         settle back on the start). Only while tuning, and on one process (``distributed``: every rank closes the
         window at the same step, and this test is rank-local)."""
-        if distributed or self.current is None or not self.tuning or self._probing_memory:
+        if distributed or self.current is None or not self.tuning or self._probing_memory or self._whole_epoch:
             return False
         trials = [*self.trials, Trial(self.current, stats)]
         runs_on = next((rule for rule in RUNS_ON if rule(trials, self.policy, self._budget)), None)
@@ -210,11 +225,12 @@ class TuningState:
         failed: Sequence[LoaderSettings] = (),
         in_epoch: bool = False,
         in_place: bool = False,
+        epoch_steps: float | None = None,
     ) -> Decision | None:
         """What to do after a window on the current config (``None`` while observing or disabled, or once tuning
         ended). ``failed``: configs that failed on some rank since the last decision point; then every rank
         settles on the same fallback. ``in_epoch``: a switch would happen inside the epoch on one process;
-        ``in_place``: a prefetch change is made on the running workers (see
+        ``in_place``: a prefetch change is made on the running workers; ``epoch_steps``: batches an epoch (see
         :func:`~lightning_dltune.tuning.rules.decide`).
         Pure."""
         if failed:
@@ -232,16 +248,8 @@ class TuningState:
             return down
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
-        return verified or decide(
-            [*self.trials, trial],
-            budget,
-            self.policy,
-            remaining_steps,
-            self._probing_memory,
-            in_epoch,
-            in_place,
-            self.memory_limit,
-        )
+        run = (remaining_steps, self._probing_memory, in_epoch, in_place, self.memory_limit, epoch_steps)
+        return verified or decide([*self.trials, trial], budget, self.policy, *run)
 
     def handover_lead(self) -> int:
         """Batches the running config serves while a new loader starts behind it (``model.handover_lead``)."""
@@ -304,7 +312,7 @@ class TuningState:
         text = decision_text(decision)
         judged = Trial(self.current, self.judged(stats), decision.failed, text, decision.rule, tuple(ranks))
         self.trials.append(judged)
-        self._probing_memory = decision.action == "try" and decision.probe_memory
+        self._next_window(decision)
         if decision.failed is not None:  # only the memory budget fails a config by decision
             limit = decision.settings.num_workers
             self.memory_limit = limit if self.memory_limit is None else min(self.memory_limit, limit)
@@ -318,6 +326,14 @@ class TuningState:
             self._stop(Phase.HELD, best, budget, step, held=decision)
             return None
         return decision if decision.action in ("try", "settle") else None
+
+    def _next_window(self, decision: Decision) -> None:
+        """How the next window is read: one that reads a smaller config's memory, or loads its epoch ahead, is never
+        judged early (the second at its epoch's end)."""
+        trying = decision.action == "try"
+        self._probing_memory, self._whole_epoch = trying and decision.probe_memory, trying and decision.whole_epoch
+        if self._whole_epoch:
+            self._ahead = decision.settings
 
     def _failed_on_a_rank(
         self, decision: Decision, budget: Budget, step: int, failed: Sequence[LoaderSettings]
