@@ -200,7 +200,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.cache, self.report_path = None if cache is True else cache, None if report_path is True else report_path
         self._cache, self.verbose, self.plot = RunCache(self.cache), verbose, plot
         self.view, self.state = RunView(plot), TuningState(self.policy, observe_only)
-        self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps)
+        self.plan = WindowPlan(mode, max(window_steps, min_steps + 1), min_steps, whole=lambda: self.state.whole_epoch)
         self.probe = Probe(worker_pids=lambda: self.switcher.worker_pids())
         hooks = (self._lookup_cache, self._fail)
         self.switcher = LoaderSwitcher(self.state, self.probe, mode, tune_iterable, *hooks, seamless_epochs)

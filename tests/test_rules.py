@@ -200,6 +200,32 @@ def test_an_epoch_loaded_ahead_is_judged_at_its_end_and_its_loader_does_not_go_o
     assert not state.whole_epoch and state.loads_ahead(8, 8)  # settled on it: still no seamless epochs
 
 
+def test_an_epoch_loaded_ahead_is_compared_on_its_whole_epoch_and_survives_a_checkpoint():
+    from lightning_dltune.tuning.state import WindowPlan
+    from lightning_dltune.tuning.windows import whole_epoch
+
+    # after a switch, 6 steps of 60 ms while the burst loads, then 5 of 20 ms (0.46 s): the slow block is not left out
+    stats = trial(8, 0, 20, prefetch=8, steps=11).stats
+    stats = replace(stats, wall_s=0.46, step_s=0.46, wall_trim_s=0.02, busy_trim_s=0.02, startup_wait_s=1.2)
+    whole = whole_epoch(stats)
+    assert whole.steps == 11 and whole.wall_trim_s == pytest.approx(0.46 / 11) and whole.busy_trim_s > 0.02
+    assert Trial(cfg(8, 8), whole).compared_sec_per_sample > Trial(cfg(8, 8), stats).compared_sec_per_sample
+    # an in-epoch plan (long epochs) closes a whole-epoch window at the epoch's end, and not inside it
+    flag = [True]
+    plan = WindowPlan(mode="in_epoch", whole=lambda: flag[0])
+    plan.epoch_started(resumable=True, tuning=True, epoch_batches=400)
+    assert plan.in_epoch and plan.close_at_epoch_end(300, last_epoch=False)
+    flag[0] = False
+    assert not plan.close_at_epoch_end(300, last_epoch=False)
+    # a checkpoint taken during the trial: the resumed run judges it at the epoch's end, without seamless epochs
+    state = TuningState()
+    state.start = state.current = cfg(0)
+    state.apply(state.decide(CPU_STEP.stats, BUDGET, None, epoch_steps=64), CPU_STEP.stats, BUDGET, step=3)
+    resumed = TuningState()
+    resumed.load_state_dict(state.state_dict())
+    assert resumed.whole_epoch and resumed.loads_ahead(8, 8) and resumed.target == cfg(8, 8)
+
+
 def test_every_rule_has_a_case():
     named = {rule.__name__ for rule in RULES} | {rule.__name__ for rule in SETTLE_OVERRIDES} | {"start_costs_more"}
     assert named - set(CASES) == set(), "a rule without a case in CASES"
@@ -296,11 +322,28 @@ def test_an_epoch_is_loaded_ahead_only_where_the_budgets_hold_it_and_a_trial_tha
     the epoch's end. Epochs longer than 16 workers at prefetch 8 hold, or an unknown length, settle at 0 workers as
     before; so does a memory budget that holds fewer workers. A trial slower than 0 workers settles back on them."""
     decision = decide([CPU_STEP], BUDGET, epoch_steps=64)
-    assert decision.whole_epoch and "predicted to take 2.05 s against 2.82 s now" in decision.reason, decision
+    assert decision.whole_epoch and "predicted to take 2.05 s against 2.82 s without it" in decision.reason, decision
     for kwargs in ({"epoch_steps": 129}, {"epoch_steps": math.inf}, {}):
         assert decide([CPU_STEP], BUDGET, **kwargs).rule == "workers_would_contend", kwargs
     tight = Budget(cpus=2.0, max_workers=7)
     assert decide([CPU_STEP], tight, epoch_steps=64).rule == "workers_would_contend"
+    # a 200 MiB memory budget: 8 workers fit even if each comes to hold the 10 MiB this process holds, with their 8
+    # batches in flight of 0.5 MiB; not with batches of 4 MiB, nor in a process of 400 MiB
+    memory = Budget(cpus=2.0, max_workers=16, memory_bytes=200 * 2**20)
+    for main_mib, batch_mib, rule in (
+        (10, 0.5, "load_epoch_ahead"),
+        (10, 4, "workers_would_contend"),
+        (400, 0.5, "workers_would_contend"),
+    ):
+        held = with_mem(CPU_STEP, 0, batch_mib=batch_mib, main_mib=main_mib)
+        assert decide([held], memory, epoch_steps=64).rule == rule, (main_mib, batch_mib)
+    # a step on 1.6 of the 2 CPUs: steady workers predicted a little faster than none, loading ahead faster still
+    assert decide([stepping_on(CPU_STEP, 1.6)], BUDGET, epoch_steps=64).rule == "load_epoch_ahead"
+    # a step on one thread is not held up in lockstep: not for a step on 1 CPU, nor one on half a CPU that 2 workers
+    # slowed (a loader that oversubscribed the CPUs)
+    assert decide([stepping_on(CPU_STEP, 1.0)], BUDGET, epoch_steps=64).rule != "load_epoch_ahead"
+    half = decide([stepping_on(CPU_STEP, 0.5), trial(2, 5, 50, steps=40)], BUDGET, epoch_steps=64)
+    assert half.rule != "load_epoch_ahead", half
     # where the model expected no contention and 2 workers were tried: their step slowed from 20 to 50 ms
     measured = decide([CPU_STEP, trial(2, 5, 50, steps=40)], BUDGET, epoch_steps=64)
     assert (measured.rule, measured.settings) == ("load_epoch_ahead", cfg(8, 8)), measured

@@ -374,22 +374,28 @@ def workers_would_contend(s: Situation) -> Decision | None:
 
 
 def load_epoch_ahead(s: Situation) -> Decision | None:
-    """Where the best config measured is 0 workers and workers contend with a step that computes on the CPUs (predicted
-    there, as :func:`workers_would_contend` reads it, or measured: the last trial's workers slowed a step that
-    computes on ``step_cpu_min`` CPUs or more beyond noise), but the budgets hold an epoch in flight
-    (:func:`~.model.ahead_config`): those workers load it in a burst at its start, and the step then runs alone.
-    Tried where the epoch is predicted ``min_gain`` faster (:func:`~.model.ahead_epoch_s`), judged at the epoch's
-    end (its first steps wait while the burst loads); seamless epochs are off for it."""
-    base = s.picked
-    if s.epoch is None or base.settings.num_workers != 0 or base.stats.mean_wall_s <= 0:
+    """Where workers contend with a step that computes on the CPUs in lockstep (two threads or more): predicted from 0
+    workers, as :func:`workers_would_contend` reads it, or measured (the last trial's workers slowed the step beyond
+    noise, :func:`~.compare.step_slowed`), but the budgets hold an epoch in flight (:func:`~.model.ahead_config`):
+    those workers load it in a burst at its start, while the step waits, and the step then runs alone. Tried where
+    the epoch is predicted ``min_gain`` faster than the best config measured (:func:`~.model.ahead_epoch_s`, from
+    the 0 workers' window), judged on its whole epoch at the epoch's end (:func:`~.windows.whole_epoch`); seamless
+    epochs are off for it."""
+    zero = next((t for t in s.usable if t.settings.num_workers == 0), None)  # the step alone, and the loading's CPU
+    if s.epoch is None or zero is None or zero.stats.mean_wall_s <= 0 or s.probed:
         return None
-    est, now = estimate([base], s.budget, s.policy), base.stats.mean_wall_s
-    if s.w == 0 and not contention_eats_the_gain(est, now, s.hand, s.policy.min_gain):
+    est, now = estimate([zero], s.budget, s.policy), s.picked.stats.mean_wall_s
+    if round(est.step_cpus) < 2:  # a step on one thread is slowed toward a fair share, not in lockstep
         return None
-    if s.w > 0 and (est.step_cpus < s.policy.step_cpu_min or not step_slowed(base, s.last, s.policy)):
+    if s.w == 0:  # the better of staying and steady workers, the step stretched by the loading beside it
+        stretched = contended_s(est)
+        if stretched <= est.busy_s + s.hand:
+            return None
+        now = min(now, stretched)
+    elif not step_slowed(zero, s.last, s.policy):
         return None
-    cand = ahead_config(est, s.budget, base.settings, s.epoch)
-    if cand is None or cand in s.tried:
+    cand = ahead_config(s.est, s.budget, zero.settings, s.epoch)  # the memory caps read every window
+    if cand is None or cand in s.tried or not _fits(s.predict(cand), s.est, cand, s.budget, s.policy):
         return None
     epoch_s = ahead_epoch_s(est, s.epoch)
     if epoch_s > (1 - s.policy.min_gain) * s.epoch * now:
@@ -398,12 +404,25 @@ def load_epoch_ahead(s: Situation) -> Decision | None:
     reason = (
         f"workers {seen}, which computes on {est.step_cpus:.1f} of the {est.worker_cpus:g} CPUs; "
         f"{cand.describe()} hold the epoch's {s.epoch} batches in flight: loaded ahead, an epoch is predicted to "
-        f"take {epoch_s:.2f} s against {s.epoch * now:.2f} s now"
+        f"take {epoch_s:.2f} s against {s.epoch * now:.2f} s without it"
     )
     wasted = _wasted(cand, now - epoch_s / s.epoch, s.predict(cand).start_s, s.remaining)
     if wasted:
         return Decision("hold", cand, wasted, rule="start_costs_more")
     return Decision("try", cand, reason, rule="load_epoch_ahead", whole_epoch=True)
+
+
+def _fits(p: Prediction, est: Estimate, cand: LoaderSettings, budget: Budget, policy: Policy) -> bool:
+    """Whether ``cand``'s workers and their batches in flight fit the /dev/shm and memory budgets: as predicted once a
+    worker's memory was read, before that only if each came to hold what the training process holds."""
+    if budget.shm_bytes is not None and p.shm_bytes > policy.shm_fraction * budget.shm_bytes:
+        return False
+    if budget.memory_bytes is None:
+        return True
+    if not est.mem_measured and est.mem_ceiling_bytes > 0:
+        flight = memory.in_flight_bytes(est.batch_bytes, cand.prefetch_factor, cand.pin_memory)
+        return cand.num_workers <= memory.safe_workers(est.mem_ceiling_bytes, budget.memory_bytes, flight)
+    return p.memory_bytes <= budget.memory_bytes
 
 
 def jump_to_the_model(s: Situation) -> Decision | None:

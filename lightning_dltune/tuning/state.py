@@ -35,6 +35,7 @@ from lightning_dltune.tuning.windows import (
     plainly_input_bound,
     steady_from_the_start,
     still_open,
+    whole_epoch,
 )
 
 STATE_VERSION = 2  # 2: each trial's "rule"
@@ -191,6 +192,8 @@ class TuningState:
     def judged(self, stats: WindowStats) -> WindowStats:
         """The window ``stats`` as it is judged and recorded: at 0 workers, a start-up step whose samples show it
         steady counts as a steady one (:func:`~lightning_dltune.tuning.windows.steady_from_the_start`)."""
+        if self._whole_epoch and self.tuning:
+            return whole_epoch(stats)
         if self.current is None or self.current.num_workers != 0 or not self.tuning:
             return stats
         return steady_from_the_start(stats, self.policy)
@@ -450,6 +453,8 @@ class TuningState:
             "diagnosed_by": self.diagnosed_by,
             "memory_limit": self.memory_limit,
             "rank_workers": self.rank_workers,
+            "loads_ahead": None if self._ahead is None else self._ahead.to_loader_kwargs(),  # rules.load_epoch_ahead
+            "whole_epoch": self._whole_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -464,12 +469,14 @@ class TuningState:
         self.rank_workers = [int(n) for n in state.get("rank_workers", [])]
         start, target = state.get("start"), state.get("target")
         self.start = None if start is None else LoaderSettings.from_dict(start)
+        ahead = state.get("loads_ahead")
+        self._ahead, self._whole_epoch = None if ahead is None else LoaderSettings.from_dict(ahead), False
         if self.observe_only:
             return
         settled = phase == Phase.SETTLED.value and self.best_settings is not None  # settled on nothing: tune again
         self.phase = Phase.SETTLED if settled else Phase.TUNING
         if not settled:  # a run that goes on tuning tries its plan on every rank alike
-            self.rank_workers = []
+            self.rank_workers, self._whole_epoch = [], bool(state.get("whole_epoch"))
         if settled and self.best_settings is not None:
             target = self.best_settings
         if target is not None:
@@ -524,6 +531,7 @@ class WindowPlan:
     min_steps: int = 8
     in_epoch: bool = field(default=False)
     early_steps: int = Policy().early_steps  # under DDP a window is judged early only past this many steps
+    whole: Callable[[], bool] = field(default=lambda: False)  # the window is judged at its epoch's end (whole_epoch)
 
     def epoch_started(self, resumable: bool, tuning: bool, epoch_batches: float) -> None:
         long_epoch = self.mode == "auto" and epoch_batches >= 8 * self.window_steps
@@ -531,9 +539,10 @@ class WindowPlan:
 
     def close_at_epoch_end(self, steps: int, last_epoch: bool, undecided: Callable[[], bool] = lambda: False) -> bool:
         """Whether the window closes at this epoch's end: not an in-epoch window (it carries over into the next
-        epoch), and it has ``min_steps`` (short epochs pool into one window) and is not ``undecided()``
-        (:meth:`TuningState.undecided`, asked only then), or this is the last epoch."""
-        return not self.in_epoch and (last_epoch or (steps >= self.min_steps and not undecided()))
+        epoch) unless it is judged on its whole epoch (:attr:`whole`), and it has ``min_steps`` (short epochs pool
+        into one window) and is not ``undecided()`` (:meth:`TuningState.undecided`, asked only then), or this is the
+        last epoch."""
+        return (self.whole() or not self.in_epoch) and (last_epoch or (steps >= self.min_steps and not undecided()))
 
     def close_in_epoch(
         self,

@@ -163,6 +163,22 @@ def win_not_yet_shown(trials: Sequence[Trial], policy: Policy = Policy(), budget
 RUNS_ON: tuple[WindowRule, ...] = (still_open, win_not_yet_shown)
 
 
+def whole_epoch(stats: WindowStats) -> WindowStats:
+    """A window judged on its whole epoch (a config loading it ahead, ``rules.load_epoch_ahead``): no block of steps
+    is left out of the time compared, since the slow ones are the burst's. Its start-up step stays out, as every
+    window's does: the loader's start is priced apart (``startup_s``), and later epochs' bursts are steps."""
+    if stats.steps == 0:
+        return stats
+    busy = (stats.step_s + stats.other_s) / stats.steps
+    return replace(
+        stats,
+        wall_trim_s=stats.mean_wall_s,
+        wall_trim_sem_s=stats.wall_sem_s,
+        busy_trim_s=busy,
+        busy_trim_sem_s=stats.busy_sem_s,
+    )
+
+
 def steady_from_the_start(stats: WindowStats, policy: Policy = Policy()) -> WindowStats:
     """A window at 0 workers that has only its start-up step, as one steady step where that step's samples (at least
     ``startup_samples``, timed one by one) show it is one; else ``stats`` as it is. Its wait: the samples' count
