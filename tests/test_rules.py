@@ -252,6 +252,8 @@ def test_pinned_memory_is_tried_once_where_lightning_reloads_and_its_workers_wer
 # window rule: (trials, budget) where it is the first of its table that holds
 WINDOW_CASES = {
     "plain_stall": ([trial(0, 160, 10, steps=2, fetch_cpu_ms=1)], None),
+    # 3 steps at 0 workers beside a step on both CPUs, its stall under a plain one's half: contention is foreseen
+    "contention_foreseen": ([stepping_on(trial(0, 16, 20, steps=3, fetch_cpu_ms=16), 2.0)], BUDGET),
     # one steady step at 0 workers, with its start-up step: the model asks for max_workers already
     "stalled_from_the_start": (
         [trial(0, 160, 10, steps=1, fetch_cpu_ms=1, start_wait_ms=160, start_busy_ms=10)],

@@ -11,7 +11,7 @@ from dataclasses import replace
 from lightning_dltune._stats import few
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.tuning.compare import every_step_slower, faster_by, won_over_start
-from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate, host_busy
+from lightning_dltune.tuning.model import Budget, Policy, Trial, contended_s, estimate, handover_s, host_busy
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -102,6 +102,18 @@ def stalls_with_workers(trials: Sequence[Trial], policy: Policy = Policy(), budg
     )
 
 
+def contention_foreseen(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
+    """At 0 workers, after ``sign_steps`` steps, the step computes on the CPUs in lockstep (two threads or more) and
+    the model already predicts workers beside it would stretch it (:func:`~.model.contended_s`): what to do about it
+    (load an epoch ahead, or stay) does not wait for a stall the loading in the training process keeps near half
+    (never without a ``budget``)."""
+    last = trials[-1]
+    if budget is None or last.settings.num_workers != 0 or last.stats.steps < policy.sign_steps or not last.usable:
+        return False
+    est = estimate([last], budget, policy)
+    return round(est.step_cpus) >= 2 and contended_s(est) > est.busy_s + handover_s([last], policy)
+
+
 def slower_than_before(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
     """Every step of the last window, after twice ``sign_steps`` steps, was slower per sample than the config it left
     (:func:`~lightning_dltune.tuning.compare.every_step_slower`): a trial that is plainly worse ends at once."""
@@ -119,6 +131,7 @@ JUDGED_EARLY: tuple[WindowRule, ...] = (
     stalled_from_the_start,
     sized_on_a_longer_step,
     stalls_with_workers,
+    contention_foreseen,
     slower_than_before,
 )
 
