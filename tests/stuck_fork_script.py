@@ -67,7 +67,7 @@ class Recorded(SimulatedModel):
 
 class WithValidation(SyntheticDataModule):
     def __init__(self, val_workers: int) -> None:
-        super().__init__(SyntheticDataset(length=384, latency_ms=4.0), batch_size=8, seed=3)
+        super().__init__(SyntheticDataset(length=192, latency_ms=4.0), batch_size=8, seed=3)
         self.val_workers = val_workers
 
     def val_dataloader(self):

@@ -158,7 +158,7 @@ def test_a_fit_whose_worker_hangs_in_its_fork_goes_on_exactly_on_the_same_settin
     train loader's first trial, with defaults, or in the validation sanity check's loader, stopped after 2 s (the
     suite's time: the default wait is the train case's)."""
     result = _run_script(tmp_path, where, *(() if after_s == 10 else (str(after_s),)))
-    assert result["epochs"] == result["drawn"] and [sorted(e) for e in result["epochs"]] == [list(range(384))] * 2
+    assert result["epochs"] == result["drawn"] and [sorted(e) for e in result["epochs"]] == [list(range(192))] * 2
     assert result["val_passes"] == [list(range(16))] + [list(range(96))] * 2  # the sanity check's 2 batches first
     assert len(result["stopped"]) == 1
     said = "\n".join(result["warnings"])
