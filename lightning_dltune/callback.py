@@ -300,7 +300,7 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             left,
             self.agreement.any if self.agreement.distributed else None,
             lambda: self.agreement.largest(batches * now.mean_wall_s),
-            lambda: self.state.undecided(now, self.agreement.distributed) or self.state.whole_epoch,
+            lambda: self.state.undecided(now, self.agreement.distributed),
         ):
             self._close_window(trainer, now=True, done=batch_idx + 1)
 

@@ -215,8 +215,10 @@ def test_an_epoch_loaded_ahead_is_compared_on_its_whole_epoch_and_survives_a_che
     plan = WindowPlan(mode="in_epoch", whole=lambda: flag[0])
     plan.epoch_started(resumable=True, tuning=True, epoch_batches=400)
     assert plan.in_epoch and plan.close_at_epoch_end(300, last_epoch=False)
+    assert not plan.close_in_epoch(40, early=True, left=200, any_rank=None, epoch_seconds=lambda: 100.0)
     flag[0] = False
     assert not plan.close_at_epoch_end(300, last_epoch=False)
+    assert plan.close_in_epoch(40, early=True, left=200, any_rank=None, epoch_seconds=lambda: 100.0)
     # a checkpoint taken during the trial: the resumed run judges it at the epoch's end, without seamless epochs
     state = TuningState()
     state.start = state.current = cfg(0)

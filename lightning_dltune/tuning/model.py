@@ -533,6 +533,13 @@ def contention_eats_the_gain(est: Estimate, now_s: float, hand_s: float, min_gai
     return est.step_cpus > 0 and stretched > est.busy_s + hand_s and stretched >= now_s * (1 - min_gain)
 
 
+def contends_in_lockstep(est: Estimate, hand_s: float) -> bool:
+    """Whether the step runs threads in lockstep (two or more: one thread is slowed toward a fair share instead) and
+    workers loading beside it would stretch it (:func:`contended_s` longer than the step and a worker's hand-over,
+    ``hand_s``)."""
+    return round(est.step_cpus) >= 2 and contended_s(est) > est.busy_s + hand_s
+
+
 def ahead_config(est: Estimate, budget: Budget, cur: LoaderSettings, epoch_steps: int) -> LoaderSettings | None:
     """``cur`` with the fewest workers, at the deepest prefetch the budgets allow, whose batches in flight hold an
     epoch of ``epoch_steps`` batches (``None``: ``max_workers``, memory or /dev/shm cannot hold one). Not the CPU cap:

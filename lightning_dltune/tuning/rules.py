@@ -27,6 +27,7 @@ from lightning_dltune.tuning.model import (
     bursty,
     busy_time,
     contended_s,
+    contends_in_lockstep,
     contention_eats_the_gain,
     estimate,
     handover_s,
@@ -388,10 +389,9 @@ def load_epoch_ahead(s: Situation) -> Decision | None:
     if round(est.step_cpus) < 2:  # a step on one thread is slowed toward a fair share, not in lockstep
         return None
     if s.w == 0:  # the better of staying and steady workers, the step stretched by the loading beside it
-        stretched = contended_s(est)
-        if stretched <= est.busy_s + s.hand:
+        if not contends_in_lockstep(est, s.hand):
             return None
-        now = min(now, stretched)
+        now = min(now, contended_s(est))
     elif not step_slowed(zero, s.last, s.policy):
         return None
     cand = ahead_config(s.est, s.budget, zero.settings, s.epoch)  # the memory caps read every window

@@ -553,21 +553,22 @@ class WindowPlan:
         epoch_seconds: Callable[[], float],
         undecided: Callable[[], bool] = lambda: False,
     ) -> bool:
-        """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be
-        judged already (:meth:`TuningState.judge_early`); ``any_rank(flag)``: whether ``flag`` holds on any rank
-        (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window, and on
-        every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only of a full or
-        plainly judged window). Under DDP a window is judged early only as its steps (which every rank counts alike)
-        reach a power of two or a multiple of ``window_steps``, past ``early_steps`` (or from ``min_steps``, where that
-        is fewer), where any rank judges it so (``early``: on the CPU one process judges from ``early_steps`` on, the
-        stall's confidence bound deciding; on a GPU from ``min_steps``): a rank-local test would split the ranks, and a
-        few collectives a window are all the tuner adds."""
+        """Whether the window closes now, ``left`` batches before the epoch's end. ``early``: the window can be judged
+        already (:meth:`TuningState.judge_early`); ``any_rank(flag)``: whether ``flag`` holds on any rank
+        (``None``: one process); ``epoch_seconds`` predicts the epoch's length (called at most once a window,
+        and on every rank alike); ``undecided()``: it runs on instead (:meth:`TuningState.undecided`, asked only
+        of a full or plainly judged window). A window judged on its whole epoch (:attr:`whole`) never closes
+        inside it. Under DDP a window is judged early only as its steps (which every rank counts alike) reach a
+        power of two or a multiple of ``window_steps``, past ``early_steps`` (or from ``min_steps``, where that
+        is fewer), where any rank judges it so (``early``: on the CPU one process judges from ``early_steps``
+        on, the stall's confidence bound deciding; on a GPU from ``min_steps``): a rank-local test would split
+        the ranks, and a few collectives a window are all the tuner adds."""
         obvious = any_rank is None and early
         if any_rank is not None and self.mode == "auto" and not self.in_epoch and left > self.min_steps:
             past = steps > self.early_steps or steps >= self.min_steps
             due = past and (steps % self.window_steps == 0 or steps & (steps - 1) == 0)
             obvious = due and any_rank(early)
-        if not (steps >= self.window_steps or obvious) or undecided():
+        if not (steps >= self.window_steps or obvious) or self.whole() or undecided():
             return False
         if not self.in_epoch and self.mode == "auto" and left > 2 * self.window_steps:
             self.in_epoch = epoch_seconds() >= _LONG_EPOCH_S

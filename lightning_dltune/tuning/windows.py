@@ -11,7 +11,7 @@ from dataclasses import replace
 from lightning_dltune._stats import few
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.tuning.compare import every_step_slower, faster_by, won_over_start
-from lightning_dltune.tuning.model import Budget, Policy, Trial, contended_s, estimate, handover_s, host_busy
+from lightning_dltune.tuning.model import Budget, Policy, Trial, contends_in_lockstep, estimate, handover_s, host_busy
 
 
 def plainly_input_bound(stats: WindowStats, policy: Policy = Policy()) -> bool:
@@ -110,8 +110,7 @@ def contention_foreseen(trials: Sequence[Trial], policy: Policy = Policy(), budg
     last = trials[-1]
     if budget is None or last.settings.num_workers != 0 or last.stats.steps < policy.sign_steps or not last.usable:
         return False
-    est = estimate([last], budget, policy)
-    return round(est.step_cpus) >= 2 and contended_s(est) > est.busy_s + handover_s([last], policy)
+    return contends_in_lockstep(estimate([last], budget, policy), handover_s([last], policy))
 
 
 def slower_than_before(trials: Sequence[Trial], policy: Policy = Policy(), budget: Budget | None = None) -> bool:
