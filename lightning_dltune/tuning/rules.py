@@ -395,7 +395,10 @@ def load_epoch_ahead(s: Situation) -> Decision | None:
     elif not step_slowed(zero, s.last, s.policy):
         return None
     cand = ahead_config(s.est, s.budget, zero.settings, s.epoch)  # the memory caps read every window
-    if cand is None or cand in s.tried or not _fits(s.predict(cand), s.est, cand, s.budget, s.policy):
+    if cand is None or cand in s.tried:
+        return None
+    p = s.predict(cand)
+    if not _fits(p, s.est, cand, s.budget, s.policy):
         return None
     epoch_s = ahead_epoch_s(est, s.epoch)
     if epoch_s > (1 - s.policy.min_gain) * s.epoch * now:
@@ -406,7 +409,7 @@ def load_epoch_ahead(s: Situation) -> Decision | None:
         f"{cand.describe()} hold the epoch's {s.epoch} batches in flight: loaded ahead, an epoch is predicted to "
         f"take {epoch_s:.2f} s against {s.epoch * now:.2f} s without it"
     )
-    wasted = _wasted(cand, now - epoch_s / s.epoch, s.predict(cand).start_s, s.remaining)
+    wasted = _wasted(cand, now - epoch_s / s.epoch, p.start_s, s.remaining)
     if wasted:
         return Decision("hold", cand, wasted, rule="start_costs_more")
     return Decision("try", cand, reason, rule="load_epoch_ahead", whole_epoch=True)
