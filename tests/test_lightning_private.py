@@ -540,6 +540,30 @@ def test_a_new_persistent_iterator_asked_again_before_it_yielded_begins_one_epoc
         _lightning.shutdown_iterator(loader._iterator)
 
 
+def _init_fails(worker_id):
+    raise ValueError("cannot open the database in a worker")
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_reset_before_the_first_batch_keeps_what_the_workers_raised_at_start(kept):
+    # Lightning's setup_data and its epoch loop both call iter(loader) in an epoch that reloads the loader: PyTorch's
+    # reset drops the first batches' answers, a worker_init_fn's error among them, and runs the workers uninitialized
+    loader = DataLoader(
+        list(range(16)), batch_size=2, num_workers=2, persistent_workers=True, worker_init_fn=_init_fails
+    )
+    first = iter(loader)
+    if kept:
+        _lightning.keep_start_errors(loader)
+    try:
+        assert iter(loader) is first
+        if kept:
+            with pytest.raises(ValueError, match="cannot open the database"):
+                next(first)
+        assert [int(x) for x in next(first)] == [0, 1]  # the error took no batch
+    finally:
+        _lightning.shutdown_iterator(first)
+
+
 def _abort_at_exit(worker_id):
     import multiprocessing.util
     import os

@@ -1,6 +1,7 @@
 import gc
 import json
 import threading
+import warnings
 
 import lightning.pytorch as pl
 import psutil
@@ -78,26 +79,38 @@ def failing_init(worker_id):
     raise ValueError("cannot open the database in a worker")
 
 
-def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_path):
-    # In-epoch switching: at an epoch-boundary reload Lightning calls iter() twice, and with persistent
-    # workers PyTorch's second reset discards the workers' init errors (they then run uninitialized).
+class FailingStart(SimulatedModel):
     # 3 ms a sample: a batch takes 48 ms to load against a 2 ms step, a stall far above the threshold, so workers are
     # tried; every epoch after that runs at 0 workers, and a shorter sleep keeps those epochs short
-    class M(SimulatedModel):
-        def train_dataloader(self):
-            ds = SyntheticDataset(320, latency_ms=3.0)
-            return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
+    def train_dataloader(self):
+        ds = SyntheticDataset(320, latency_ms=3.0)
+        return DataLoader(ds, batch_size=16, shuffle=True, worker_init_fn=failing_init)
 
-    # mode="in_epoch", windows of 8: the failing config starts inside an epoch, where its failure is caught (see above)
+
+def test_a_config_whose_workers_fail_to_start_is_recorded_and_never_chosen(tmp_path):
+    # mode="in_epoch", windows of 8: the failing config starts inside the first epoch or at the next one's start,
+    # whichever the window's timing gives; both are caught (an epoch boundary's reset drops the error unless kept)
     tuner = DataLoaderTuner(mode="in_epoch", window_steps=8, min_steps=6)
     seen = Indices()
-    failed_to_start = r"workers failed to start \(ValueError: cannot open the database in a worker\)"
-    with pytest.warns(DLTuneWarning, match=failed_to_start):
-        make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False).fit(M(step_ms=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False).fit(FailingStart(step_ms=2))
+    said = [str(w.message) for w in caught if issubclass(w.category, DLTuneWarning)]
+    tried = [(t.settings.describe(), t.rule, t.failed) for t in tuner.trials]
+    assert any("workers failed to start (ValueError: cannot open the database in a worker)" in m for m in said), tried
     failed = [t for t in tuner.trials if t.failed]
     assert failed and failed[0].settings.num_workers > 0 and "cannot open the database" in failed[0].failed
     assert tuner.best_settings["num_workers"] == 0
     assert len(seen.epochs) == 3 and all(sorted(e) == list(range(320)) for e in seen.epochs)
+
+
+def test_with_mode_epoch_a_config_whose_workers_fail_to_start_fails_with_their_error(tmp_path):
+    # mode="epoch" keeps the user's batch sampler, so no epoch goes on on another loader (the default mode recovers:
+    # above). PyTorch's reset at the epoch's start would drop the error and train on uninitialized workers
+    tuner = DataLoaderTuner(mode="epoch")
+    with pytest.raises(ValueError, match="cannot open the database in a worker"):
+        make_trainer(tmp_path, [tuner], max_epochs=2, logger=False).fit(FailingStart(step_ms=2))
+    assert tuner.state.current.num_workers > 0  # the tuner's config failed, not the user's
 
 
 class Sharded(IterableDataset):

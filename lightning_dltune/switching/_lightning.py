@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
+from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import _worker_loop
@@ -63,6 +64,8 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_try_put_index"),
     ("_MultiProcessingDataLoaderIter", "_shutdown"),
     ("_MultiProcessingDataLoaderIter", "_reset"),
+    ("_MultiProcessingDataLoaderIter", "_get_data"),
+    ("_MultiProcessingDataLoaderIter", "_next_data"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
 # What a running single-process iterator fetches its batches with (`time_samples`): its attribute, and the fetcher's.
@@ -710,6 +713,50 @@ def _reset_once_used(iterator: Iterator[Any]) -> Iterator[Any]:
 
     iterator._reset = reset_unless_fresh  # type: ignore[attr-defined]
     return iterator
+
+
+def keep_start_errors(loader: Any) -> None:
+    """Make the next reset of ``loader``'s persistent iterator keep what its workers raised before it served a batch.
+    A new iterator hands its workers the epoch's first batches at once; a worker whose ``worker_init_fn`` raised
+    answers its first one with that error. Resetting the iterator before it served anything (Lightning's second
+    ``iter()`` in an epoch that reloads its loader) drops those answers, and PyTorch then runs the workers
+    uninitialized. Kept, the first error dropped is raised by the iterator's first ``next()``, where a failed start
+    is handled (no batch had been served: the epoch starts again from its first one)."""
+    iterator: Any = getattr(loader, "_iterator", None)
+    if getattr(iterator, "_num_yielded", 1) != 0 or "_reset" in vars(iterator) or not hasattr(iterator, "_get_data"):
+        return  # used, not persistent, or its reset already patched (`_reset_once_used` keeps it as created)
+    reset, ref = type(iterator)._reset, weakref.ref(iterator)
+
+    def reset_keeping_errors(loader: Any, first_iter: bool = False) -> None:
+        it: Any = ref()
+        if it is None:
+            return
+        vars(it).pop("_reset", None)  # once
+        if it._num_yielded > 0:  # served since: what is dropped now is the last epoch's batches
+            reset(it, loader, first_iter)
+            return
+        get, dropped = it._get_data, []
+
+        def get_data() -> tuple[Any, Any]:
+            idx, data = get()
+            if isinstance(data, ExceptionWrapper):
+                dropped.append(data)
+            return idx, data
+
+        it._get_data = get_data
+        try:
+            reset(it, loader, first_iter)
+        finally:
+            vars(it).pop("_get_data", None)
+        if dropped:
+
+            def raise_dropped() -> Any:  # holds the iterator weakly, as the reset does
+                vars(ref()).pop("_next_data", None)
+                dropped[0].reraise()
+
+            it._next_data = raise_dropped
+
+    iterator._reset = reset_keeping_errors
 
 
 def _reset_as_pytorch_does(iterator: Any) -> None:

@@ -529,6 +529,8 @@ class LoaderSwitcher:
         self._random.put_back_reload = None
         self._train_began()
         self._keep_rng_as_untuned()
+        if self.state.tuner_changed_workers() and self.trainer is not None:  # the user's own config: as PyTorch does
+            _lightning.keep_start_errors(self.trainer.train_dataloader)
         self._guard_needed = self.resumable or self._check_shards
         self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
         self._startup.spoiled = False
