@@ -235,10 +235,18 @@ def busy_time(t: Trial) -> float:
     return max(host_busy(t), t.stats.mean_gpu_busy_s)
 
 
+# the least time a window's steps must take in all for their CPU time to read how many CPUs they use (see step_cpus)
+STEP_CPU_SPAN_S = 0.05
+
+
 def step_cpus(s: WindowStats) -> float:
     """The CPUs the training process uses while it steps: its CPU time during its steps over their time, where that
     was measured (``step_cpu_s``); else its CPU time over the window less what loading took in it, over its busy
-    time (that also holds what is not its steps', such as forking workers); 0 where neither was measured."""
+    time (that also holds what is not its steps', such as forking workers); 0 where neither was measured, or where
+    the steps took less than ``STEP_CPU_SPAN_S`` in all: the kernel adds another thread's CPU time to the process's
+    at its scheduler ticks, so a few milliseconds of steps can read several CPUs where they used none."""
+    if s.step_s + s.other_s < STEP_CPU_SPAN_S:
+        return 0.0
     if s.step_cpu_s > 0 and s.step_s > 0:
         return s.step_cpu_s / s.step_s
     busy = s.step_s + s.other_s
