@@ -1,3 +1,4 @@
+import functools
 import threading
 import time
 
@@ -31,6 +32,27 @@ def lightning_log(caplog):
     finally:
         logger.removeHandler(caplog.handler)
         logger.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def picture_only_where_asked(request, monkeypatch):
+    """``DataLoaderTuner(plot=...)`` defaults to ``False`` in this process, except in the tests marked ``picture``:
+    drawing the run's PNG takes 0.2-0.3 s a fit here (matplotlib's text layout), about a sixth of the suite, and
+    every other test reads the tuner, its report or its logs, not the picture. The marked tests (test_view.py, the
+    report path's, the demo's) and every test run in a process of its own (the docs' examples, the DDP scripts)
+    draw it on the default arguments."""
+    if request.node.get_closest_marker("picture") is not None:
+        return
+    from lightning_dltune import DataLoaderTuner
+
+    init = DataLoaderTuner.__init__
+
+    @functools.wraps(init)
+    def without_picture(self, *args, **kwargs):
+        kwargs.setdefault("plot", False)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DataLoaderTuner, "__init__", without_picture)
 
 
 @pytest.fixture(autouse=True)

@@ -249,6 +249,7 @@ def test_the_summary_is_printed_unless_verbose_is_false(tmp_path, lightning_log,
     assert tuner.diagnosis  # quiet or not, the result is there to read
 
 
+@pytest.mark.picture  # what is written next to the report, the picture included
 @pytest.mark.parametrize("report_path", [None, False])
 def test_report_path_false_writes_neither_report_nor_picture(tmp_path, report_path):
     dm = SyntheticDataModule(SyntheticDataset(96, latency_ms=1.0), batch_size=16)

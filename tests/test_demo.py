@@ -2,10 +2,13 @@
 
 import csv
 
+import pytest
+
 from lightning_dltune import _imports
 from lightning_dltune.tools.demo import run_demo
 
 
+@pytest.mark.picture  # the demo's picture is part of what it hands over
 def test_the_demo_falls_back_to_csv_without_tensorboard(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(_imports, "_TENSORBOARD_AVAILABLE", False)  # stands in for a machine without tensorboard
     result = run_demo(tmp_path, quick=True, epochs=1)  # one epoch: the fallback, not the tuning, is under test

@@ -29,6 +29,8 @@ from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule
 
 from helpers import make_trainer
 
+pytestmark = pytest.mark.picture  # the picture's own tests: drawn on the default arguments
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
