@@ -564,6 +564,30 @@ def test_a_reset_before_the_first_batch_keeps_what_the_workers_raised_at_start(k
         _lightning.shutdown_iterator(first)
 
 
+class _FailsAtFive(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyError(index)
+        return index
+
+
+def test_a_reset_before_the_first_batch_drops_a_later_batchs_error_as_pytorch_does():
+    # batch 2 (samples 4, 5) is worker 0's second: its error is the dataset's, and comes when that batch is asked for
+    loader = DataLoader(_FailsAtFive(), batch_size=2, num_workers=2, persistent_workers=True)
+    first = iter(loader)
+    _lightning.keep_start_errors(loader)
+    try:
+        assert iter(loader) is first  # each worker answers its batches before the reset's marker: all are dropped
+        assert [int(x) for x in next(first)] == [0, 1] and [int(x) for x in next(first)] == [2, 3]
+        with pytest.raises(KeyError):
+            next(first)
+    finally:
+        _lightning.shutdown_iterator(first)
+
+
 def _abort_at_exit(worker_id):
     import multiprocessing.util
     import os

@@ -65,6 +65,7 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_shutdown"),
     ("_MultiProcessingDataLoaderIter", "_reset"),
     ("_MultiProcessingDataLoaderIter", "_get_data"),
+    ("_MultiProcessingDataLoaderIter", "_task_info"),
     ("_MultiProcessingDataLoaderIter", "_next_data"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
@@ -720,8 +721,9 @@ def keep_start_errors(loader: Any) -> None:
     A new iterator hands its workers the epoch's first batches at once; a worker whose ``worker_init_fn`` raised
     answers its first one with that error. Resetting the iterator before it served anything (Lightning's second
     ``iter()`` in an epoch that reloads its loader) drops those answers, and PyTorch then runs the workers
-    uninitialized. Kept, the first error dropped is raised by the iterator's first ``next()``, where a failed start
-    is handled (no batch had been served: the epoch starts again from its first one)."""
+    uninitialized. Kept, the first such error dropped is raised by the iterator's first ``next()``, where a failed
+    start is handled (no batch had been served: the epoch starts again from its first one). Only a worker's answer to
+    its first batch is kept: a later batch's error is the dataset's, which the reset drops as PyTorch does."""
     iterator: Any = getattr(loader, "_iterator", None)
     if getattr(iterator, "_num_yielded", 1) != 0 or "_reset" in vars(iterator) or not hasattr(iterator, "_get_data"):
         return  # used, not persistent, or its reset already patched (`_reset_once_used` keeps it as created)
@@ -735,11 +737,14 @@ def keep_start_errors(loader: Any) -> None:
         if it._num_yielded > 0:  # served since: what is dropped now is the last epoch's batches
             reset(it, loader, first_iter)
             return
+        firsts: dict[int, int] = {}  # each worker's first batch: where a start's error comes back
+        for idx in sorted(it._task_info):
+            firsts.setdefault(it._task_info[idx][0], idx)
         get, dropped = it._get_data, []
 
         def get_data() -> tuple[Any, Any]:
             idx, data = get()
-            if isinstance(data, ExceptionWrapper):
+            if isinstance(data, ExceptionWrapper) and idx in firsts.values():
                 dropped.append(data)
             return idx, data
 

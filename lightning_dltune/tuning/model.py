@@ -243,14 +243,12 @@ def step_cpus(s: WindowStats) -> float:
     """The CPUs the training process uses while it steps: its CPU time during its steps over their time, where that
     was measured (``step_cpu_s``); else its CPU time over the window less what loading took in it, over its busy
     time (that also holds what is not its steps', such as forking workers); 0 where neither was measured, or where
-    the steps took less than ``STEP_CPU_SPAN_S`` in all: the kernel adds another thread's CPU time to the process's
+    the time it divides by is under ``STEP_CPU_SPAN_S``: the kernel adds another thread's CPU time to the process's
     at its scheduler ticks, so a few milliseconds of steps can read several CPUs where they used none."""
-    if s.step_s + s.other_s < STEP_CPU_SPAN_S:
-        return 0.0
     if s.step_cpu_s > 0 and s.step_s > 0:
-        return s.step_cpu_s / s.step_s
+        return s.step_cpu_s / s.step_s if s.step_s >= STEP_CPU_SPAN_S else 0.0
     busy = s.step_s + s.other_s
-    if s.main_cpu_s <= 0 or busy <= 0:
+    if s.main_cpu_s <= 0 or busy < STEP_CPU_SPAN_S:
         return 0.0
     return max(0.0, s.main_cpu_s - s.fetch_cpu_s) / busy
 

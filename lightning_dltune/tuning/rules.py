@@ -409,8 +409,9 @@ def load_epoch_ahead(s: Situation) -> Decision | None:
         f"{cand.describe()} hold the epoch's {s.epoch} batches in flight: loaded ahead, an epoch is predicted to "
         f"take {epoch_s:.2f} s against {s.epoch * now:.2f} s without it"
     )
-    if _wasted(cand, now - epoch_s / s.epoch, p.start_s, s.remaining):  # the rules after it judge steady workers
-        return None
+    wasted = _wasted(cand, now - epoch_s / s.epoch, p.start_s, s.remaining)
+    if wasted:
+        return Decision("hold", cand, wasted, rule="start_costs_more")
     return Decision("try", cand, reason, rule="load_epoch_ahead", whole_epoch=True)
 
 
