@@ -37,7 +37,7 @@ def lightning_log(caplog):
 @pytest.fixture(autouse=True)
 def picture_only_where_asked(request, monkeypatch):
     """``DataLoaderTuner(plot=...)`` defaults to ``False`` in this process, except in the tests marked ``picture``:
-    drawing the run's PNG takes 0.2-0.3 s a fit here (matplotlib's text layout), about a sixth of the suite, and
+    drawing the run's PNG takes 0.2-0.3 s a fit here (matplotlib's text layout), 42 s of the suite's 633, and
     every other test reads the tuner, its report or its logs, not the picture. The marked tests (test_view.py, the
     report path's, the demo's) and every test run in a process of its own (the docs' examples, the DDP scripts)
     draw it on the default arguments."""

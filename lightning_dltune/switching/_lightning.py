@@ -740,11 +740,11 @@ def keep_start_errors(loader: Any) -> None:
         firsts: dict[int, int] = {}  # each worker's first batch: where a start's error comes back
         for idx in sorted(it._task_info):
             firsts.setdefault(it._task_info[idx][0], idx)
-        get, dropped = it._get_data, []
+        first_batches, get, dropped = set(firsts.values()), it._get_data, []
 
         def get_data() -> tuple[Any, Any]:
             idx, data = get()
-            if isinstance(data, ExceptionWrapper) and idx in firsts.values():
+            if isinstance(data, ExceptionWrapper) and idx in first_batches:
                 dropped.append(data)
             return idx, data
 
