@@ -285,8 +285,8 @@ def workers_contend(r: Reading) -> str | None:
     if start.settings.num_workers != 0 or k < r.policy.step_cpu_min:
         return None
     cpus, busy0 = r.budget.cpus, busy_per_step(start.stats)[0]
-    slowed = [(t, busy_per_step(t.stats)) for t in r.more if t.settings.num_workers > settled.num_workers]
-    slowed = [(t, b) for t, b in slowed if step_slowed(start, t, r.policy)]
+    more = [t for t in r.more if t.settings.num_workers > settled.num_workers and step_slowed(start, t, r.policy)]
+    slowed = [(t, busy_per_step(t.stats)) for t in more]
     fix = "give the job more CPUs or make loading cheaper"
     if k > 1:
         threads = f"`torch.set_num_threads(n)` with n under {cpus:g} leaves CPUs to workers"
