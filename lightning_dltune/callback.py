@@ -84,7 +84,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
             key (host CPUs and memory, accelerator, dataset class and length, batch size, local world size,
             library version) is cached starts from the cached settings and only verifies them.
         report_path: the file to write the JSON report to; ``None`` writes ``dltune_report.json`` in the logger's
-            directory (or ``default_root_dir``), ``False`` writes none. A path that cannot be written when ``fit``
+            directory, where Lightning writes the run's files (without a logger, none: the report is on
+            ``tuner.report``), ``False`` writes none. A path that cannot be written when ``fit``
             ends is one warning: ``fit`` returns as it would without the tuner.
         verbose: print the summary table and diagnosis when tuning settles.
         plot: after ``fit``, draw the run (stall, samples/s and ``num_workers`` over steps, config changes marked,
@@ -192,7 +193,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         seamless_epochs: bool | str = "auto",
         eval_loops: Sequence[str] = EVAL_LOOPS,
     ) -> None:
-        check_tuner_arguments(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_tuner_arguments(**self._arguments)
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
         self._state_key = self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=max_workers)
@@ -209,6 +211,22 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.evals = EvalLoaders(eval_loops, self.policy, observe_only, tune_iterable, self.cache, self._limits)
         self.switcher.seamless.before_epoch = self.evals.draws_before  # validation's draws between epochs
         self.budget, self.report, self.report_file, self._steps_since_log = None, None, None, 0
+        self._built_by_init = frozenset(self.__dict__)
+
+    # --- copies -------------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``pickle``, ``copy.deepcopy``; ``ddp_spawn`` pickles the trainer's callbacks) holds plain state only:
+        the arguments, what a checkpoint holds, the results, and attributes a subclass added. The parts that run
+        (threads, locks, hooks into the loops) are built anew by :meth:`__setstate__` and wired at ``setup``."""
+        added = {k: v for k, v in self.__dict__.items() if k not in self._built_by_init}
+        results = {"budget": self.budget, "report": self.report, "report_file": self.report_file}
+        return {"arguments": self._arguments, "tuning": self._tuning_state(), "results": results, "added": added}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        DataLoaderTuner.__init__(self, **state["arguments"])
+        self._load_tuning_state(state["tuning"])
+        self.__dict__.update(state["results"])
+        self.__dict__.update(state["added"])
 
     # --- results, read from the parts ---------------------------------------------------------------------------
     phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.tuning.state.Phase`.")
@@ -392,15 +410,22 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     # --- checkpoints and the report -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**self.state.state_dict(), **self.switcher.position_state(), "loops": self.evals.state_dict()}
+        return {**self._tuning_state(), **self.switcher.position_state()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state.load_state_dict(state_dict)
-        self.evals.load_state_dict(state_dict.get("loops", {}))
+        self._load_tuning_state(state_dict)
         self.state.target = self.agreement.resumed(self.state.target, self.state.rank_workers)  # this rank's own
         self.switcher.aim(self.state.target)  # now: FSDP/DeepSpeed restore after on_fit_start
         self.switcher.load_position(state_dict)
+
+    def _tuning_state(self) -> dict[str, Any]:
+        """What was learnt (phase, trials, settings, each evaluation loop's), without the epoch's position."""
+        return {**self.state.state_dict(), "loops": self.evals.state_dict()}
+
+    def _load_tuning_state(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+        self.evals.load_state_dict(state.get("loops", {}))
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -254,7 +254,8 @@ def test_the_summary_is_printed_unless_verbose_is_false(tmp_path, lightning_log,
 def test_report_path_false_writes_neither_report_nor_picture(tmp_path, report_path):
     dm = SyntheticDataModule(SyntheticDataset(96, latency_ms=1.0), batch_size=16)
     tuner = DataLoaderTuner() if report_path is None else DataLoaderTuner(report_path=False)  # None: the default
-    make_trainer(tmp_path, [tuner], max_epochs=1, logger=False).fit(SimulatedModel(step_ms=1), datamodule=dm)
+    logger = pl.loggers.CSVLogger(tmp_path)  # the logger's directory: where the default writes
+    make_trainer(tmp_path, [tuner], max_epochs=1, logger=logger).fit(SimulatedModel(step_ms=1), datamodule=dm)
     written = sorted(p.name for p in tmp_path.rglob("dltune_report.*"))
     assert written == ([] if report_path is False else ["dltune_report.json", "dltune_report.png"])
     assert tuner.report is not None and (tuner.report_file is None) == (report_path is False)

@@ -6,7 +6,7 @@ import shutil
 import struct
 
 import pytest
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -109,10 +109,10 @@ def test_a_fit_draws_its_run_next_to_the_report_and_tensorboard_gets_the_text_an
 
 
 @pytest.mark.parametrize("plot", [True, False])
-def test_without_a_logger_the_series_is_kept_and_plot_false_draws_nothing(tmp_path, plot):
+def test_without_a_tensorboard_logger_the_series_is_kept_and_plot_false_draws_nothing(tmp_path, plot):
     dm = SyntheticDataModule(in_memory_dataset(256), batch_size=32, num_workers=0)
     tuner = DataLoaderTuner(plot=plot)  # the argument under test
-    make_trainer(tmp_path, [tuner], max_epochs=2, log_every_n_steps=2, logger=False).fit(
+    make_trainer(tmp_path, [tuner], max_epochs=2, log_every_n_steps=2, logger=flat_csv(tmp_path)).fit(
         SimulatedModel(step_ms=1), datamodule=dm
     )
     assert tuner.report_file == tmp_path / "dltune_report.json"
@@ -125,7 +125,7 @@ def test_without_matplotlib_the_png_is_skipped_with_one_info_line(tmp_path, monk
     monkeypatch.setattr(_imports, "_MATPLOTLIB_AVAILABLE", False)  # stands in for a machine without matplotlib
     dm = SyntheticDataModule(in_memory_dataset(128), batch_size=32, num_workers=0)
     tuner = DataLoaderTuner()
-    make_trainer(tmp_path, [tuner], max_epochs=2, log_every_n_steps=2, logger=False).fit(
+    make_trainer(tmp_path, [tuner], max_epochs=2, log_every_n_steps=2, logger=flat_csv(tmp_path)).fit(
         SimulatedModel(step_ms=1), datamodule=dm
     )
     assert tuner.report_file.exists() and tuner.plot_file is None
@@ -137,12 +137,17 @@ def test_without_matplotlib_the_png_is_skipped_with_one_info_line(tmp_path, monk
 def test_a_run_shorter_than_one_logging_window_draws_nothing_and_says_why(tmp_path, lightning_log):
     dm = SyntheticDataModule(in_memory_dataset(128), batch_size=32, num_workers=0)
     tuner = DataLoaderTuner()
-    make_trainer(tmp_path, [tuner], max_epochs=1, log_every_n_steps=50, logger=False).fit(
+    make_trainer(tmp_path, [tuner], max_epochs=1, log_every_n_steps=50, logger=flat_csv(tmp_path)).fit(
         SimulatedModel(step_ms=1), datamodule=dm
     )
     assert tuner.report["series"]["step"] == [] and tuner.plot_file is None
     said = [r.getMessage() for r in lightning_log.records if "no picture of the run" in r.getMessage()]
     assert len(said) == 1 and "no window was logged" in said[0] and "`log_every_n_steps`" in said[0], said
+
+
+def flat_csv(root):
+    """A logger whose directory is ``root`` itself: the report and its picture land there."""
+    return CSVLogger(root, name="", version="")
 
 
 def small_report(**changes):

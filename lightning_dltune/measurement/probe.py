@@ -10,9 +10,10 @@ window, the batch size in bytes, and the :class:`MemoryWatch` that reads the wor
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -626,15 +627,30 @@ def tensor_bytes(batch: Any) -> int:
 
 
 def batch_size(batch: Any) -> int:
-    """The batch's size as Lightning reads it (1 when it cannot tell): its first tensor's first dimension. A
-    tensor, or a list or tuple that starts with one, is read directly (Lightning walks every element: about 60 us
-    a step)."""
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    if isinstance(first, torch.Tensor):
-        return int(first.size(0)) if first.ndim else 1
-    from lightning.pytorch.utilities.data import extract_batch_size  # here: only a batch of another shape
+    """The batch's size as Lightning reads it (1 when it cannot tell): its first tensor's first dimension, found in
+    the order Lightning's ``extract_batch_size`` walks a batch (mappings' values, sequences, dataclass fields). Read
+    here rather than through Lightning, whose function warns once per process about an ambiguous batch: that
+    warning is the user's, for their own ``self.log``."""
+    found = _first_size(batch, depth=0)
+    return 1 if found is None else found
 
+
+def _first_size(batch: Any, depth: int) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.size(0)) if batch.ndim else 1
+    if depth > 32 or isinstance(batch, (str, bytes)):
+        return None
+    if isinstance(batch, Mapping):
+        batch = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    if not isinstance(batch, Iterable):
+        return None
     try:
-        return int(extract_batch_size(batch))
-    except Exception:
-        return 1
+        for item in batch:
+            found = _first_size(item, depth + 1)
+            if found is not None:
+                return found
+    except Exception:  # an iterable that cannot be walked twice, or raises: Lightning reads nothing from it either
+        return None
+    return None

@@ -237,7 +237,9 @@ class RunCache:
             return None
         accelerator = accelerator_name(device)
         self.fields = key_fields(loader, cpus, accelerator, local_world_size, limits, rank, world_size)
-        self.fingerprint = sample_cost_s(loader.dataset)
+        # samples are loaded in this process only where the user's loader loads them here anyway: loaded before
+        # workers fork, they would open the dataset's file handles (h5py, LMDB) in the process the workers copy
+        self.fingerprint = sample_cost_s(loader.dataset) if getattr(loader, "num_workers", 0) == 0 else None
         hit = TuningCache(self.path).get(self.fields)
         if hit is None or not same_cost(hit[1].get("sample_cost_s"), self.fingerprint):
             return None

@@ -259,13 +259,13 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def report_path(option: str | os.PathLike[str] | bool | None, log_dir: str | None, root_dir: str) -> Path | None:
-    """Where the report goes: ``option`` itself, ``None`` for the logger's directory (else ``root_dir``), or
-    nowhere for ``False``."""
+def report_path(option: str | os.PathLike[str] | bool | None, log_dir: str | None) -> Path | None:
+    """Where the report goes: ``option`` itself, ``None`` for the logger's directory ``log_dir`` (nowhere without
+    one), or nowhere for ``False``."""
     if option is False:
         return None
     if option is None or option is True:
-        return Path(log_dir or root_dir) / REPORT_NAME
+        return None if log_dir is None else Path(log_dir) / REPORT_NAME
     return Path(option)
 
 

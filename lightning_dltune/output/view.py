@@ -10,6 +10,7 @@ TensorBoard's Text tab when tuning ends and when training ends, and draws the PN
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -125,9 +126,14 @@ class RunView:
     def publish(self, trainer: "pl.Trainer", report: dict[str, Any], option: Any, draw: bool = True) -> Path | None:
         """Write ``report`` where the tuner's ``report_path`` ``option`` says (:func:`report_path`) and, ``draw``,
         draw it, on rank zero; the file written (``None``: none)."""
-        # every rank reads log_dir: it broadcasts under DDP, so reading it on rank zero alone would hang or crash
-        log_dir = trainer.log_dir if option is None else None
-        path = report_path(option, log_dir, trainer.default_root_dir)
+        log_dir = run_files_dir(trainer) if option is None else None
+        path = report_path(option, log_dir)
+        if option is None and log_dir is None:
+            info_once(
+                "no-report-file",
+                "DataLoaderTuner: no logger directory, so no report file: the report is on `tuner.report`; "
+                "pass `DataLoaderTuner(report_path=...)` to write it.",
+            )
         if path is None or not trainer.is_global_zero:
             return None
         written = write_report(path, report)
@@ -151,6 +157,19 @@ class RunView:
         except OSError as ex:  # the report was written: training's result is not lost for a picture
             info_once("no-plot", f"DataLoaderTuner: no picture of the run: cannot write {path}: {ex.strerror or ex}.")
         return self.plot_file
+
+
+def run_files_dir(trainer: "pl.Trainer") -> str | None:
+    """Where Lightning writes this run's files: the first logger's directory (``None`` without a logger, or where it
+    is a checkpoint folder, which holds checkpoints only). Every rank must call it: ``log_dir`` broadcasts."""
+    if not trainer.loggers:
+        return None
+    log_dir = trainer.log_dir
+    dirpaths = (getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)
+    checkpoint_dirs = {os.path.realpath(d) for d in dirpaths if d}
+    if log_dir is None or os.path.realpath(log_dir) in checkpoint_dirs:
+        return None
+    return str(log_dir)
 
 
 def write_report(path: Path, report: dict[str, Any]) -> Path | None:

@@ -173,11 +173,23 @@ def install_source_transform(
                 warnings.filterwarnings("ignore", message=_WORKER_COUNT_WARNING, category=UserWarning)
             return transform(original)
 
-    source.dataloader = dataloader
+    return patch_attribute(source, "dataloader", dataloader)
+
+
+def patch_attribute(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``value`` as ``obj``'s own attribute ``name`` and return the undo, which puts back exactly what was there:
+    the object's own attribute (a user's, a ``Mock``), or none, so the class's applies again. An undo finding another
+    value there (set since, by somebody else) leaves it."""
+    had, before = name in obj.__dict__, obj.__dict__.get(name)
+    object.__setattr__(obj, name, value)  # past Lightning's record of attribute changes on loaders
 
     def restore() -> None:
-        if source.__dict__.get("dataloader") is dataloader:
-            del source.__dict__["dataloader"]
+        if obj.__dict__.get(name) is not value:
+            return
+        if had:
+            object.__setattr__(obj, name, before)
+        else:
+            del obj.__dict__[name]
 
     return restore
 
@@ -203,13 +215,12 @@ def install_loop_fetch_hooks(loop: Any, before: Callable[[], None], after: Calla
         orig_after()
         after()
 
-    loop._on_before_fetch = on_before_fetch
-    loop._on_after_fetch = on_after_fetch
+    undo_before = patch_attribute(loop, "_on_before_fetch", on_before_fetch)
+    undo_after = patch_attribute(loop, "_on_after_fetch", on_after_fetch)
 
     def restore() -> None:
-        for name, fn in (("_on_before_fetch", on_before_fetch), ("_on_after_fetch", on_after_fetch)):
-            if loop.__dict__.get(name) is fn:
-                del loop.__dict__[name]
+        undo_after()
+        undo_before()
 
     return restore
 
@@ -357,6 +368,15 @@ def rebuild_dataloader(loader: DataLoader, overrides: dict[str, Any], quiet: boo
         if key in overrides and getattr(new, key, overrides[key]) != overrides[key]:
             setattr(new, key, overrides[key])
     return new
+
+
+def show_sampler(loader: DataLoader) -> None:
+    """Make ``loader.sampler`` the sampler its batch sampler draws from, as a loader built with ``shuffle=`` shows it,
+    so that Lightning's checks of the train loader (``overfit_batches`` turning shuffling off and warning that it
+    did) see what the user's loader had. PyTorch reads ``sampler`` only without a batch sampler."""
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if inner is not None:
+        object.__setattr__(loader, "sampler", inner)  # DataLoader refuses `sampler` once built
 
 
 def recording() -> ExitStack:
@@ -649,19 +669,33 @@ def serve_carried_iterator(
     ``draws_base()``: a run without the tuner makes that draw when it creates an iterator, which a persistent
     user loader does once. The new iterator is kept as created (see :func:`keeps_fresh_iterator`), so what it drew
     is this epoch's own."""
-    create = type(loader)._get_iterator.__get__(loader)
-
-    def get_iterator() -> Iterator[Any]:
-        carried = take(loader)
-        if carried is not None:
-            return carried
-        if draws_base():
-            return _reset_once_used(create())
-        return _reset_once_used(apart_from_global(loader, create))
-
     # past Lightning's record of attribute changes: a loader rebuilt around the DistributedSampler Lightning injects
     # must not create its iterators from this one
-    object.__setattr__(loader, "_get_iterator", get_iterator)
+    object.__setattr__(loader, "_get_iterator", _CarriedIterators(loader, take, draws_base))
+
+
+class _CarriedIterators:
+    """A loader's ``_get_iterator`` while the tuner serves it (see :func:`serve_carried_iterator`)."""
+
+    def __init__(
+        self, loader: DataLoader, take: Callable[[DataLoader], Iterator[Any] | None], draws_base: Callable[[], bool]
+    ) -> None:
+        self.loader, self.take, self.draws_base = loader, take, draws_base
+        self.create = type(loader)._get_iterator.__get__(loader)
+
+    def __call__(self) -> Iterator[Any]:
+        carried = self.take(self.loader)
+        if carried is not None:
+            return carried
+        if self.draws_base():
+            return _reset_once_used(self.create())
+        return _reset_once_used(apart_from_global(self.loader, self.create))
+
+
+def stop_serving(loader: DataLoader) -> None:
+    """Undo :func:`serve_carried_iterator`: new iterators of ``loader`` are PyTorch's again (the tuner let it go)."""
+    if isinstance(loader.__dict__.get("_get_iterator"), _CarriedIterators):
+        del loader.__dict__["_get_iterator"]
 
 
 def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None:
@@ -918,13 +952,7 @@ def wrap_loop_method(loop: Any, name: str, before: Callable[[], None], after: Ca
         finally:
             after()
 
-    setattr(loop, name, wrapped)
-
-    def restore() -> None:
-        if loop.__dict__.get(name) is wrapped:
-            del loop.__dict__[name]
-
-    return restore
+    return patch_attribute(loop, name, wrapped)
 
 
 def loop_loaders(loop: Any) -> list[Any]:

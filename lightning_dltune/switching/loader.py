@@ -245,6 +245,8 @@ class LoaderSwitcher:
         self._pending.reset()
         self._guarded, self._kept = None, None
         self.seamless.drop()
+        for loader in self._built:  # the run's loaders outlive it (the trainer holds them): PyTorch's own again
+            _lightning.stop_serving(loader)
         for restore in reversed(self._restores):
             restore()
         self._restores = []
@@ -343,6 +345,8 @@ class LoaderSwitcher:
             quiet = "num_workers" in overrides  # the tuner's count, not the user's
             new = _lightning.rebuild_dataloader(loader, overrides, quiet=quiet)
             self._built.add(new)  # a new object: not the user's own
+            if isinstance(new.batch_sampler, ResumableBatchSampler):
+                _lightning.show_sampler(new)
             return self._said_why(new) if quiet else new
         except _lightning.NotRebuildableError as ex:
             self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")

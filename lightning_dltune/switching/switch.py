@@ -16,8 +16,10 @@ run that never switched.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -36,6 +38,14 @@ class Iteration:
     def __init__(self) -> None:
         self.epoch_no, self.next = -1, 0
         self.stop: int | None = None
+
+
+def _no_draw(ahead: int) -> None:
+    """The hook before each draw of a sampler nobody carries on (see :meth:`ResumableBatchSampler.carry_on`)."""
+
+
+def _goes_on(ahead: int) -> bool:
+    return True
 
 
 class ResumableBatchSampler(BatchSampler):
@@ -69,12 +79,19 @@ class ResumableBatchSampler(BatchSampler):
         # seamless epochs (see `carry_on`): an iteration goes on into the next epochs' batches; their orders are
         # drawn as the workers ask for them and kept, by epoch number, until their epoch begins
         self.seamless = False
-        self._before_draw: Callable[[int], None] = lambda ahead: None
-        self._goes_on: Callable[[int], bool] = lambda ahead: True  # whether the fit trains past epoch `ahead`
+        self._before_draw: Callable[[int], None] = _no_draw
+        self._goes_on: Callable[[int], bool] = _goes_on  # whether the fit trains past epoch `ahead`
         self._epoch_no = 0  # the number of the epoch `_order` belongs to (counted by this sampler)
         self._began_epoch = False  # the latest iteration began epoch `_epoch_no` (not a resume of it)
         self._upcoming: dict[int, array] = {}
         self.live = Iteration()  # the latest iteration: how far it has yielded, where it is cut (see `cut`)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``pickle``, ``copy.deepcopy``, ``torch.save`` of a trainer) keeps the epoch's order and position
+        but not the tuner's hooks: it iterates one epoch at a time, as a plain ``BatchSampler`` does."""
+        state = dict(self.__dict__)
+        state.update(seamless=False, _before_draw=_no_draw, _goes_on=_goes_on)
+        return state
 
     def __iter__(self) -> Iterator[list[int]]:
         # known as soon as the iterator is asked for; the resume itself is taken when the first batch is drawn,
@@ -144,7 +161,7 @@ class ResumableBatchSampler(BatchSampler):
         self,
         before_draw: Callable[[int], None],
         seamless: bool = True,
-        goes_on: Callable[[int], bool] = lambda ahead: True,
+        goes_on: Callable[[int], bool] = _goes_on,
     ) -> None:
         """Seamless epochs: every iteration goes on into the next epochs' batches, so the workers load epoch
         e+1's first batches while epoch e's last ones are consumed. ``before_draw(ahead)`` is called before each
@@ -432,16 +449,29 @@ class ShardCheck(Iterator[Any]):
 
 
 def same_batch(a: Any, b: Any) -> bool:
-    """Whether two collated batches hold the same values (tensors, mappings and sequences of them, or plain values)."""
+    """Whether two collated batches hold the same values: tensors, mappings, sequences and dataclasses of them, arrays
+    that compare element by element (numpy's), or any other value. A value whose ``==`` raises or cannot be read as
+    one truth is compared by its pickled bytes; one that does not pickle either cannot be told apart (``False``)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, Mapping):
         return a.keys() == b.keys() and all(same_batch(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_batch(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return all(same_batch(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     try:
-        return bool(a == b)
+        equal = a == b
+        if isinstance(equal, bool):
+            return equal
+        if hasattr(equal, "all") and getattr(a, "shape", None) == getattr(b, "shape", None):
+            return bool(equal.all())  # an array's elementwise answer
+        return bool(equal)
+    except Exception:
+        pass
+    try:
+        return pickle.dumps(a) == pickle.dumps(b)
     except Exception:
         return False
