@@ -176,7 +176,8 @@ def main() -> None:
         max_epochs=4 if kind in ("memory", "head", "tail") else 3,
         default_root_dir=out,
         callbacks=[tuner, record, *extra],
-        logger=False,
+        # a logger whose directory is `out`: the report's default place, read by every rank together (a broadcast)
+        logger=pl.loggers.CSVLogger(out, name="", version=""),
         enable_progress_bar=False,
         enable_model_summary=False,
         **{"enable_checkpointing": False, **limits},
