@@ -5,6 +5,7 @@ import copy
 import io
 import os
 import pickle
+import random
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -17,9 +18,9 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from lightning_dltune import DataLoaderTuner
-from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
+from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
-from helpers import make_trainer
+from helpers import Indices, make_trainer
 
 
 class LatencyModel(SimulatedModel):
@@ -294,8 +295,8 @@ def test_trainer_flags_that_shape_the_train_loader_train_what_they_train_without
         pl.seed_everything(3)
         model = ShuffledModel()
         trainer = make_trainer(tmp_path / where, callbacks, max_epochs=3, logger=False, **flags)
-        with pytest.warns(UserWarning) as said:
-            warnings.warn("the run began", UserWarning)  # pytest.warns needs one: Lightning may say nothing
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             trainer.fit(model)
         return model.epochs, [str(w.message) for w in said if "overfit" in str(w.message)]
 
@@ -305,3 +306,54 @@ def test_trainer_flags_that_shape_the_train_loader_train_what_they_train_without
     assert tuned_said == untuned_said  # Lightning's own warning about shuffling under overfit_batches, where it fires
     if "overfit_batches" in flags:
         assert untuned_said and untuned[0] == untuned[1] == list(range(16))
+
+
+class Augmented(SyntheticDataset):
+    """Draws from the global random states as augmentations do (torch's, Python's and numpy's)."""
+
+    def __getitem__(self, index):
+        x, y, i = super().__getitem__(index)
+        jitter = torch.rand(1) + random.random() + float(np.random.rand())
+        return x + jitter, y, i
+
+
+@pytest.mark.parametrize("dataset", [Augmented, SyntheticDataset])
+def test_a_seeded_run_trains_one_order_whatever_the_tuner_chose_and_whenever_it_switched(tmp_path, dataset):
+    def run(path, max_workers):
+        pl.seed_everything(7, workers=True)
+        seen, tuner = Indices(), DataLoaderTuner(max_workers=max_workers)  # runs that settle apart (below)
+        dm = SyntheticDataModule(dataset(192, latency_ms=8.0), batch_size=16, num_workers=0)
+        make_trainer(path, [tuner, seen], max_epochs=4, logger=False).fit(SimulatedModel(step_ms=2), datamodule=dm)
+        return seen.epochs, [(t.settings.num_workers, t.stats.steps) for t in tuner.trials]
+
+    a, trials_a = run(tmp_path / "a", 2)
+    b, trials_b = run(tmp_path / "b", 12)
+    assert trials_a != trials_b  # other configs, switched at other steps...
+    assert a == b  # ...and one order
+    assert all(sorted(e) == list(range(192)) for e in a)
+
+
+class AugmentedModel(SimulatedModel):
+    """A validation loader whose samples draw from the global random states, as the train loader's do."""
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def val_dataloader(self):
+        return DataLoader(Augmented(64, latency_ms=8.0), batch_size=16)
+
+
+def test_a_validation_loader_drawing_random_numbers_leaves_the_next_epochs_order_alone(tmp_path):
+    def run(path, max_workers):
+        pl.seed_everything(7, workers=True)
+        seen, tuner = Indices(), DataLoaderTuner(max_workers=max_workers)
+        dm = SyntheticDataModule(SyntheticDataset(96, latency_ms=1.0), batch_size=16, num_workers=0)
+        trainer = make_trainer(path, [tuner, seen], max_epochs=4, logger=False)
+        trainer.fit(AugmentedModel(step_ms=2), train_dataloaders=dm.train_dataloader())
+        val = tuner.evals.tuners["val"]
+        return seen.epochs, [t.settings.num_workers for t in val.state.trials]
+
+    a, val_a = run(tmp_path / "a", 1)
+    b, val_b = run(tmp_path / "b", 12)
+    assert val_a != val_b  # the validation loader ran on other configs...
+    assert a == b  # ...and training drew one order

@@ -12,7 +12,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
@@ -698,12 +698,15 @@ def stop_serving(loader: DataLoader) -> None:
         del loader.__dict__["_get_iterator"]
 
 
-def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None:
+def create_iterators_apart(
+    loader: DataLoader, when: Callable[[], bool], loading: AbstractContextManager[Any] | None = None
+) -> None:
     """Make a new iterator of ``loader`` draw its workers' base seed from a copy of the global random state
     (:func:`~lightning_dltune.switching.switch.apart_from_global`) whenever ``when()`` says so; a later call replaces
-    ``when``. The patch holds the loader weakly (a reference cycle would keep its persistent workers alive until a
-    garbage collection). A loader whose iterators another patch creates (the train loader's, for seamless epochs)
-    is left as it is."""
+    ``when``. A new iterator that loads in the training process loads inside ``loading`` (:func:`load_apart`). The
+    patch holds the loader weakly (a reference cycle would keep its persistent workers alive until a garbage
+    collection). A loader whose iterators another patch creates (the train loader's, for seamless epochs) is left
+    as it is."""
     if "_get_iterator" in loader.__dict__ and "_dltune_apart" not in loader.__dict__:
         return
     if "_dltune_apart" not in loader.__dict__:
@@ -712,14 +715,19 @@ def create_iterators_apart(loader: DataLoader, when: Callable[[], bool]) -> None
         def get_iterator() -> Iterator[Any]:
             dl: Any = ref()
             create = lambda: get(dl)  # noqa: E731
-            return apart_from_global(dl, create) if dl.__dict__["_dltune_apart"]() else create()
+            iterator = apart_from_global(dl, create) if dl.__dict__["_dltune_apart"]() else create()
+            if dl.__dict__.get("_dltune_loading") is not None:
+                load_apart(iterator, dl.__dict__["_dltune_loading"])
+            return iterator
 
         object.__setattr__(loader, "_get_iterator", get_iterator)  # past Lightning's record, as above
     object.__setattr__(loader, "_dltune_apart", when)
+    object.__setattr__(loader, "_dltune_loading", loading)
 
 
 def undo_iterators_apart(loader: DataLoader) -> None:
     """Undo :func:`create_iterators_apart`: new iterators of ``loader`` draw as PyTorch's do."""
+    loader.__dict__.pop("_dltune_loading", None)
     if loader.__dict__.pop("_dltune_apart", None) is not None:
         loader.__dict__.pop("_get_iterator", None)
 
@@ -913,6 +921,22 @@ class SampleTimes:
     @property
     def running(self) -> bool:
         return self._fetcher.dataset is self._timed
+
+
+def load_apart(iterator: Any, randomness: AbstractContextManager[Any]) -> None:
+    """Make the samples ``iterator`` loads in the training process (PyTorch's single-process iterator) load inside
+    ``randomness`` (a :class:`~lightning_dltune.switching.randomness.LoadingRandomness`): the dataset's draws are
+    then apart from training's random states, and its sampler's are not. Once per iterator; others are left alone."""
+    fetcher = getattr(iterator, "_dataset_fetcher", None)
+    if type(iterator) is not _SingleProcessDataLoaderIter or fetcher is None or "fetch" in fetcher.__dict__:
+        return
+    fetch = fetcher.fetch
+
+    def fetch_apart(possibly_batched_index: Any) -> Any:
+        with randomness:
+            return fetch(possibly_batched_index)
+
+    fetcher.fetch = fetch_apart
 
 
 def time_samples(iterator: Any, clock: Callable[[], float]) -> SampleTimes | None:

@@ -54,6 +54,7 @@ from lightning_dltune.output.report import PREFIX, WindowSeries, build_report, s
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
 from lightning_dltune.switching.forkwatch import MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
+from lightning_dltune.switching.randomness import LoadingRandomness
 from lightning_dltune.switching.switch import apart_from_global
 from lightning_dltune.tuning.model import Budget, Decision, Policy
 from lightning_dltune.tuning.state import TuningState
@@ -183,6 +184,7 @@ class EvalTuner:
         self.around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None)
         self.state = TuningState(policy, observe_only)
         self.probe = Probe(worker_pids=lambda: _lightning.loop_worker_pids(self.loop))
+        self._loading = LoadingRandomness(0, name)  # seeded anew from the run's seed at `install`
         self.series = WindowSeries()
         self.passes = 0  # passes measured (sanity checks are not)
         self.loop: Any = None
@@ -228,6 +230,7 @@ class EvalTuner:
             self.state.target = self.state.held.settings
         self.state.begin_fit()
         self.trainer, self.loop = trainer, _lightning.evaluation_loop(trainer, self.name)
+        self._loading = LoadingRandomness(torch.initial_seed(), self.name)
         self.probe.start(torch.device("cpu"), log_gpu=False)
         self.probe.apart = _lightning.launched_ranks(trainer)
         self._switch, self._counting, self._draws, self._pending = False, False, [], None
@@ -336,7 +339,7 @@ class EvalTuner:
             self._draws = [] if self._user_resets else reused
             resets = _weak_flag(self, "_user_resets")  # the loaders may outlive the tuner: they hold it weakly
             for loader in loaders:  # as Lightning processed them (a distributed sampler injected, say)
-                _lightning.create_iterators_apart(loader, resets)
+                _lightning.create_iterators_apart(loader, resets, self._loading)
                 self._patched.add(loader)
         self._user_new = False
         if self.state.tuner_changed_workers():  # the count is the tuner's, and measured

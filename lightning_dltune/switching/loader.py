@@ -35,6 +35,7 @@ from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
 from lightning_dltune.switching._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
 from lightning_dltune.switching.forkwatch import FORK_HANG, MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
+from lightning_dltune.switching.randomness import LoadingRandomness
 from lightning_dltune.switching.seamless import Seamless, draws_from_global
 from lightning_dltune.switching.switch import (
     GuardedIterator,
@@ -192,13 +193,14 @@ class LoaderSwitcher:
         self._restored = _Restored()
         self._first_epoch: int | None = None  # the first epoch this fit trains (a resumed fit's is above 0)
         self._random = _RandomBookkeeping()
+        self._loading = LoadingRandomness(0)  # seeded anew from the run's seed at `install`
         self._fork_restarts = 0  # loaders started again after a worker hung in its fork, this fit
         self._watch: ForkWatch | None = None  # held from `install` to `restore`
         self._guard_hooks = GuardHooks(
             replace=self._switch_if_pending,
             on_death=self._recover,
             on_error=self._startup_failed,
-            prepare=_lightning.detach_from_sigchld,
+            prepare=self._prepare,
             worker_dead=_lightning.worker_died,
             close=_lightning.shutdown_iterator,
             ahead=self._lead,
@@ -228,6 +230,7 @@ class LoaderSwitcher:
         if self._watch is None:
             self._watch = watch_forks()  # before the first worker starts
         self._random.reset()
+        self._loading = LoadingRandomness(torch.initial_seed())
         self._restores = [
             _lightning.install_loader_transform(trainer, self._on_loader, self._tuner_sets_workers),
             _lightning.install_fetch_hooks(trainer, self._before_fetch, self.probe.fetch_ended),
@@ -582,6 +585,8 @@ class LoaderSwitcher:
             self._guard_needed = False
             assert self.trainer is not None
             _lightning.wrap_train_iterator(self.trainer, self._guard)
+        running = _lightning.train_iterator(self.trainer) if self.trainer is not None else None
+        _lightning.load_apart(getattr(running, "inner", running), self._loading)
         self.probe.fetch_started()
         if self._stop_timing() is not None:  # a second fetch in one step (a step that pulls its batches itself):
             self._startup.spoiled = True  # the times are no one batch's
@@ -590,6 +595,12 @@ class LoaderSwitcher:
             # loaded in the training process (0 workers), sample by sample: a first sample that opened a file
             # lazily shows apart from the rest, and the step can be judged on its own (`windows.steady_from_the_start`)
             self._startup.samples = _lightning.time_samples(guard.inner, self.probe.clock)
+
+    def _prepare(self, inner: Iterator[Any]) -> None:
+        """Every new iterator the guard serves from: it loads apart from training's random states (see
+        :mod:`~lightning_dltune.switching.randomness`), and its workers' deaths are its own to report."""
+        _lightning.detach_from_sigchld(inner)
+        _lightning.load_apart(inner, self._loading)
 
     def _stop_timing(self) -> list[float] | None:
         """Stop timing samples (see ``_lightning.time_samples``); the times taken, or ``None`` when none was timing."""
