@@ -190,5 +190,40 @@ def test_an_iterable_dataset_that_does_not_shard_is_caught_before_a_sample_repea
     assert tuner.best_settings["num_workers"] == 0 and tuner.phase.value == "settled"
 
 
+class CorruptFromAFlag(IterableDataset):
+    """Sharded by worker; once ``flag`` exists, every stream's first sample is corrupt: a data error, whatever the
+    worker count."""
+
+    def __init__(self, flag, length=320):
+        self.flag, self.length = flag, length
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(first, self.length, step):
+            if self.flag.exists():
+                raise KeyError("sample is corrupt")
+            time.sleep(0.002)
+            yield torch.full((8,), float(i)), torch.tensor(i % 4), i
+
+
+def test_a_data_error_in_a_new_configs_first_batches_still_reaches_the_user_unchanged(tmp_path):
+    flag = tmp_path / "corrupt"
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(CorruptFromAFlag(flag), batch_size=8)
+
+        def on_train_epoch_end(self):
+            flag.touch()  # the data goes bad after the first epoch, which trained on the user's 0 workers
+
+    tuner = DataLoaderTuner(tune_iterable=True)  # the user's word that it shards: the tuner tries workers
+    trainer = make_trainer(tmp_path, [tuner], max_epochs=3, logger=False)
+    with pytest.warns(DLTuneWarning, match="failed its first batch"), pytest.raises(KeyError) as raised:
+        trainer.fit(M(step_ms=1, features=8))
+    assert raised.value.args == ("sample is corrupt",)  # as the user's own 0 workers raise it
+    assert tuner.trials[0].settings.num_workers == 0 and any(t.failed for t in tuner.trials)
+
+
 def _data():
     return SyntheticDataModule(SyntheticDataset(length=192, latency_ms=1.0), batch_size=16)

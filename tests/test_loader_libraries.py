@@ -15,13 +15,14 @@ from typing import ClassVar
 
 import lightning.pytorch as pl
 import litdata
+import pytest
 import torch
 import webdataset as wds
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_dltune import DataLoaderTuner
+from lightning_dltune import DataLoaderTuner, DLTuneWarning
 from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
 from lightning_dltune.tuning.memory import MiB
 
@@ -246,15 +247,16 @@ def test_litdata_streaming_loader_tuned_then_resumed_mid_epoch_exactly(tmp_path,
 # ---------------------------------------------------------------------------------------------------------
 
 # At least the most workers the tuner's default budget allows (8 per CPU, at most 64): webdataset raises in a
-# worker left without a shard ("No samples found in dataset; perhaps you have fewer shards than workers").
+# worker left without a shard ("No samples found in dataset; perhaps you have fewer shards than workers"); the test of
+# that failure writes fewer.
 SHARDS = 64
 
 
-def write_shards(directory: Path) -> list[str]:
+def write_shards(directory: Path, shards: int = SHARDS) -> list[str]:
     directory.mkdir()
-    per_shard = LENGTH // SHARDS
+    per_shard = LENGTH // shards
     urls = []
-    for shard in range(SHARDS):
+    for shard in range(shards):
         urls.append(str(directory / f"shard-{shard:03d}.tar"))
         with wds.TarWriter(urls[-1]) as sink:
             for i in range(shard * per_shard, (shard + 1) * per_shard):
@@ -284,6 +286,33 @@ def test_webdataset_split_by_worker_is_retuned_and_every_epoch_is_exact(tmp_path
     retuned = {w for workers in seen.workers.values() for w in workers} - {0}
     assert retuned, f"the tuner never switched: {[t.decision for t in tuner.trials]}"
     assert {t.settings.num_workers for t in tuner.trials} >= {0, *retuned}
+
+
+def slower_sample(sample):
+    """80 ms a batch against a 2 ms step: the model asks for far more workers than the 4 shards feed."""
+    time.sleep(10 / 1e3)
+    return slow_sample(sample)
+
+
+def test_webdataset_with_fewer_shards_than_the_workers_tried_trains_on_without_a_lost_or_repeated_sample(tmp_path):
+    urls = write_shards(tmp_path / "shards", shards=4)  # a worker past the 4th has no shard and raises
+
+    def web_loader():
+        dataset = wds.WebDataset(
+            urls, shardshuffle=4, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker
+        )
+        return DataLoader(dataset.decode().map(slower_sample), batch_size=BATCH)
+
+    tuner = DataLoaderTuner(tune_iterable=True)  # split_by_worker gives each worker its own shards
+    with pytest.warns(DLTuneWarning, match=r"failed its first batch \(No samples found in dataset; perhaps you have"):
+        seen = fit(tmp_path / "run", web_loader, tuner, epochs=4)
+    assert_exact(seen, epochs=4)
+    failed = [t for t in tuner.trials if t.failed]
+    assert failed and all(t.settings.num_workers > 4 for t in failed), [(t.settings, t.failed) for t in tuner.trials]
+    assert "No samples found in dataset" in failed[0].failed
+    assert max(w for workers in seen.workers.values() for w in workers) <= 4  # no epoch trained on a failing count
+    assert 1 < tuner.best_settings["num_workers"] <= 4  # tuned on within what the shards feed
+    assert "Failed, and not used again" in tuner.diagnosis and "fewer shards than workers" in tuner.diagnosis
 
 
 class SyntheticStream(torch.utils.data.IterableDataset):

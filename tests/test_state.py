@@ -111,6 +111,22 @@ def test_failure_falls_back_to_the_best_measured_config_and_never_reuses_the_fai
     assert state.best_settings == ZERO.to_loader_kwargs()
 
 
+def test_a_loader_that_feeds_fewer_workers_caps_them_and_tuning_goes_on():
+    state = started()
+    judge(state, stats(wait_ms=160))  # a plain stall: the rules ask for many workers
+    state.current = LoaderSettings.normalized(14)
+    going_on = state.fed_fewer(state.current, "workers failed their first batches: no shard", fed=4)
+    assert going_on == FOUR and state.target == FOUR and state.phase is Phase.TUNING
+    assert state.feed_limit == 4 == state.workers_limit and not state.trials[-1].usable
+    state.current = FOUR
+    decision, _ = judge(state, stats(wait_ms=40))  # still stalled: no more workers than the loader feeds
+    assert decision is not None and decision.settings.num_workers <= 4
+    restored = TuningState()
+    restored.load_state_dict(state.state_dict())
+    assert restored.feed_limit == 4
+    assert "Failed, and not used again: workers=14 prefetch=2 (workers failed their first batches" in state.diagnosis
+
+
 def test_failures_are_bounded():
     state = started(FOUR)
     for _ in range(3):

@@ -130,6 +130,14 @@ class _StartUp:
     growing: bool = False
 
 
+def _round_undone(loader: DataLoader) -> bool:
+    """Whether batches loaded from an ``IterableDataset``'s ``loader`` before its epoch begins are undone by the epoch's
+    ``iter()``: PyTorch's own iteration restarts every worker's stream, and a loader that keeps its own state of
+    what it yielded (a ``StatefulDataLoader``, litdata's ``StreamingDataLoader``) would count them as served."""
+    own_state = callable(getattr(loader, "state_dict", None)) or type(loader).__iter__ is not DataLoader.__iter__
+    return isinstance(loader.dataset, IterableDataset) and not own_state
+
+
 def ranks_alike(loader: DataLoader) -> str | None:
     """Why every rank of a distributed run must build ``loader`` with the same settings (``None``: each rank may run
     its own count of workers: a ``DistributedSampler`` splits by rank, and Lightning's reload needs only that the
@@ -312,7 +320,10 @@ class LoaderSwitcher:
         self._random.before_build = _random_states(loader)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
-        loader = self._rebuilt(loader, current, self._build_settings(loader))
+        users = loader
+        loader = self._rebuilt(users, current, self._build_settings(users))
+        if _round_undone(loader) and self._tuner_added_workers(loader):
+            loader = self._first_round(users, current, loader)
         self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
         self._check_shards = isinstance(loader.dataset, IterableDataset) and self._tuner_added_workers(loader)
         self._guard_needed = self.resumable or self._check_shards  # also where no epoch start follows (a resume)
@@ -323,6 +334,56 @@ class LoaderSwitcher:
         self.state.current = LoaderSettings.from_loader(loader)
         self.probe.loader_built(self.state.current.num_workers)
         return loader
+
+    def _first_round(self, users: DataLoader, current: LoaderSettings, loader: DataLoader) -> DataLoader:
+        """An ``IterableDataset``'s ``loader`` with more workers than the user's (``users``, on ``current``): before it
+        serves a batch, one batch of each worker is loaded (PyTorch hands the workers their turns in order) and
+        dropped. A worker that raises there fails the config: a dataset sharded by worker with fewer shards than
+        workers (webdataset: "No samples found in dataset; perhaps you have fewer shards than workers"), or any error
+        the user's config did not meet. Then the loader returned is the fallback's, and nothing of the epoch was
+        served. Otherwise the round's iterator is the loader's persistent one, which Lightning's ``iter()`` resets:
+        its workers begin the epoch again (a loader without persistent workers has it stopped). Only where that undoes
+        the round (:func:`_round_undone`); elsewhere the first iteration's ``ShardCheck`` is the only check."""
+        iterator = apart_from_global(loader, lambda: iter(loader))
+        fed = 0
+        try:
+            for _ in islice(iterator, loader.num_workers):
+                fed += 1
+        except Exception as error:  # the config's: the user's loaded these batches (the fallback meets a data error)
+            _lightning.shutdown_iterator(iterator)
+            _lightning.shutdown_workers(loader)
+            return self._round_failed(users, current, loader, error, fed)
+        if getattr(loader, "_iterator", None) is not iterator:
+            _lightning.shutdown_iterator(iterator)
+        return loader
+
+    def _round_failed(
+        self, users: DataLoader, current: LoaderSettings, loader: DataLoader, error: BaseException, fed: int
+    ) -> DataLoader:
+        """The first round of ``loader`` failed after ``fed`` of its workers had served a batch each (PyTorch hands
+        them their turns in order): where some did, the loader feeds that many (``TuningState.fed_fewer``) and tuning
+        goes on there; where none did, the config failed as a whole and the tuner falls back (``on_failure``)."""
+        tried = LoaderSettings.from_loader(loader)
+        self.state.current, summary = tried, error_summary(error)
+        kind = "workers failed their first batches"
+        if fed > max(1, current.num_workers) and self.state.tuning:
+            fallback: LoaderSettings | None = self.state.fed_fewer(tried, f"{kind}: {summary}", fed)
+        else:
+            fallback = self._on_failure(kind, summary)
+        if fallback is None:
+            raise error
+        self.aim(fallback)
+        warn_once(
+            f"first-round-{tried.num_workers}",
+            f"DataLoaderTuner: with {tried.describe()} a worker of the train IterableDataset failed its first batch "
+            f"({summary}); the epoch starts on {fallback.describe()} instead, and nothing of it was served twice. "
+            f"{tried.describe()} will not be used again.",
+            every_rank=True,
+        )
+        rebuilt = self._rebuilt(users, current, fallback)
+        if self._tuner_added_workers(rebuilt):
+            return self._first_round(users, current, rebuilt)
+        return rebuilt
 
     def _build_settings(self, loader: DataLoader) -> LoaderSettings | None:
         """The settings to build ``loader`` with: the target, except for the first loader of a resumed run into

@@ -243,8 +243,13 @@ def is_worker_death(error: BaseException, worker_dead: bool = False) -> bool:
 
 
 def error_summary(error: BaseException) -> str:
-    """The last line of ``error``'s message (a worker's traceback ends in its error), or its type's name."""
+    """``error`` in a line: where its message holds a worker's traceback, that traceback's own error line (``ValueError:
+    ...``, of the error's type, whatever lines follow it); else the message's last line, or the type's name."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    own = f"{type(error).__name__}: "
+    raised = [line[len(own) :] for line in lines[1:] if line.startswith(own)]
+    if raised:
+        return raised[-1]
     return lines[-1] if lines else type(error).__name__
 
 

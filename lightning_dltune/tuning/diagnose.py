@@ -60,6 +60,7 @@ def diagnosis(
     ``"stall_left"``)."""
     name, text = diagnosed(trials, settled, budget, policy, held is not None)
     text += memory_diagnosis(trials, budget, policy)
+    text += failure_diagnosis(trials)
     if held is not None:
         text += (
             f" Tuning stopped for this run: {held.reason}; a longer or resumed run goes on to "
@@ -82,6 +83,16 @@ def memory_diagnosis(trials: Sequence[Trial], budget: Budget, policy: Policy = P
         f"{memory.describe_growth(mem, life, last.settings.num_workers)}. {_memory_cause(mem)} {_MEMORY_FIX}; "
         "then more workers fit."
     )
+
+
+def failure_diagnosis(trials: Sequence[Trial]) -> str:
+    """A sentence naming each config that failed in this run, and how (``""`` where none did); the memory budget's
+    are :func:`memory_diagnosis`'s."""
+    failed = [t for t in trials if t.failed and t.rule == "config_failed"]
+    if not failed:
+        return ""
+    named = "; ".join(f"{t.settings.describe()} ({t.failed})" for t in failed)
+    return f" Failed, and not used again: {named}."
 
 
 _MEMORY_FIX = (

@@ -95,6 +95,7 @@ class TuningState:
         self.recoveries = 0
         self.unagreed: LoaderSettings | None = None  # a config that failed on this rank, not yet agreed
         self.memory_limit: int | None = None  # the most workers the memory budget held (an earlier run's, cached)
+        self.feed_limit: int | None = None  # the most workers the loader fed before one more failed (see below)
         self.rank_workers: list[int] = []  # under DDP, each rank's own count once tuning ended (Agreement.own_change)
         self._cached_entry: dict[str, Any] | None = None
         self._probing_memory = False  # the running config's window reads its workers' memory: never cut short
@@ -198,11 +199,19 @@ class TuningState:
             return stats
         return steady_from_the_start(stats, self.policy)
 
+    @property
+    def workers_limit(self) -> int | None:
+        """The most workers this run may use, as learnt in it: what the memory budget held (:attr:`memory_limit`),
+        what the loader could feed (:attr:`feed_limit`); ``None`` until one is learnt."""
+        limits = [limit for limit in (self.memory_limit, self.feed_limit) if limit is not None]
+        return min(limits) if limits else None
+
     def _within_memory_limit(self, budget: Budget) -> Budget:
-        """``budget`` with its worker cap lowered to :attr:`memory_limit`, once a config went over the memory budget."""
-        if self.memory_limit is None:
+        """``budget`` with its worker cap lowered to :attr:`workers_limit`, once one was learnt."""
+        limit = self.workers_limit
+        if limit is None:
             return budget
-        return replace(budget, max_workers=max(1, min(budget.max_workers, self.memory_limit)))
+        return replace(budget, max_workers=max(1, min(budget.max_workers, limit)))
 
     def undecided(self, stats: WindowStats, distributed: bool = False) -> bool:
         """Whether the window so far (``stats``, on the current config) runs on though it has its steps: a rule of
@@ -251,7 +260,7 @@ class TuningState:
             return down
         cached = self._cached_entry if not self.trials and self.target == trial.settings else None
         verified = verify_cached(cached, trial, budget, self.policy) if cached is not None else None
-        run = (remaining_steps, self._probing_memory, in_epoch, in_place, self.memory_limit, epoch_steps)
+        run = (remaining_steps, self._probing_memory, in_epoch, in_place, self.workers_limit, epoch_steps)
         return verified or decide([*self.trials, trial], budget, self.policy, *run)
 
     def handover_lead(self) -> int:
@@ -325,7 +334,7 @@ class TuningState:
             self.target = decision.settings
             self._stop(Phase.SETTLED, decision.settings, budget, step)
         elif decision.action == "hold":
-            best = pick_best(self.trials, self.policy, self.memory_limit).settings
+            best = pick_best(self.trials, self.policy, self.workers_limit).settings
             self._stop(Phase.HELD, best, budget, step, held=decision)
             return None
         return decision if decision.action in ("try", "settle") else None
@@ -375,10 +384,20 @@ class TuningState:
         self.target = fallback
         return fallback
 
+    def fed_fewer(self, failed: LoaderSettings, why: str, fed: int) -> LoaderSettings:
+        """``failed`` failed in its first batches (``why``) after ``fed`` of its workers had each served one, where a
+        config of fewer workers did not fail: the loader feeds no more than ``fed`` workers (a dataset sharded by worker
+        with fewer shards than workers leaves the others without any). Record it, never use more than ``fed``
+        workers in this run, and go on tuning on ``fed`` workers (returned)."""
+        self.trials.append(Trial(failed, WindowStats(), failed=why, rule="config_failed"))
+        self.feed_limit = fed if self.feed_limit is None else min(self.feed_limit, fed)
+        self.target = failed.with_workers(fed)
+        return self.target
+
     def _fallback(self, never: set[LoaderSettings], failed: LoaderSettings) -> LoaderSettings:
         usable = [t for t in self.trials if t.usable and t.settings not in never]
         if usable:
-            return pick_best(usable, self.policy, self.memory_limit).settings
+            return pick_best(usable, self.policy, self.workers_limit).settings
         if self.start is not None and self.start not in never:
             return self.start
         return failed.with_workers(failed.num_workers // 2)
@@ -430,7 +449,7 @@ class TuningState:
         usable = any(t.usable for t in self.trials)
         if not usable and (not self.tuning or self.current is None):
             return
-        best = pick_best(self.trials, self.policy, self.memory_limit).settings if usable else self.current
+        best = pick_best(self.trials, self.policy, self.workers_limit).settings if usable else self.current
         assert best is not None
         if not self.tuning or self.best_settings is None:
             self.best_settings = best.to_loader_kwargs()
@@ -452,6 +471,7 @@ class TuningState:
             "diagnosis": self.diagnosis,
             "diagnosed_by": self.diagnosed_by,
             "memory_limit": self.memory_limit,
+            "feed_limit": self.feed_limit,
             "rank_workers": self.rank_workers,
             "loads_ahead": None if self._ahead is None else self._ahead.to_loader_kwargs(),  # rules.load_epoch_ahead
             "whole_epoch": self._whole_epoch,
@@ -466,6 +486,8 @@ class TuningState:
         self.diagnosed_by = state.get("diagnosed_by", "")
         limit = state.get("memory_limit")
         self.memory_limit = limit if isinstance(limit, int) else None
+        fed = state.get("feed_limit")
+        self.feed_limit = fed if isinstance(fed, int) else None
         self.rank_workers = [int(n) for n in state.get("rank_workers", [])]
         start, target = state.get("start"), state.get("target")
         self.start = None if start is None else LoaderSettings.from_dict(start)
