@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dltune._copies import RebuiltWhenCopied
 from lightning_dltune._warn import reset_warnings
 from lightning_dltune.measurement.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.measurement.measure import WindowStats
@@ -35,7 +36,7 @@ from lightning_dltune.tuning.model import Budget, Policy
 from lightning_dltune.tuning.state import Mode, Phase, TuningState, WindowPlan
 
 
-class DataLoaderTuner(EvalLoopHooks, Callback):
+class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
     r"""Measure how long training waits for data and retune the train ``DataLoader`` between epochs, and the
     validation, test and predict loaders between their passes.
 
@@ -160,6 +161,9 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     settings and does not tune again; one resumed mid-tuning continues where it was; one resumed mid-epoch
     continues the epoch's sample order exactly at the saved batch.
 
+    Copies: a tuner pickles and deep-copies (``ddp_spawn`` pickles the trainer's callbacks); a copy keeps the
+    arguments, what was learnt and the results, and builds its running parts anew.
+
     Example::
 
         from lightning import Trainer
@@ -193,8 +197,8 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         seamless_epochs: bool | str = "auto",
         eval_loops: Sequence[str] = EVAL_LOOPS,
     ) -> None:
-        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        check_tuner_arguments(**self._arguments)
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_tuner_arguments(**arguments)
         self.policy = Policy(stall_threshold=float(stall_threshold), max_trials=max_trials, min_steps=min_steps)
         self.max_workers, self.max_prefetch, self.max_memory = max_workers, max_prefetch, max_memory
         self._state_key = self._generate_state_key(stall_threshold=self.policy.stall_threshold, max_workers=max_workers)
@@ -211,22 +215,10 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
         self.evals = EvalLoaders(eval_loops, self.policy, observe_only, tune_iterable, self.cache, self._limits)
         self.switcher.seamless.before_epoch = self.evals.draws_before  # validation's draws between epochs
         self.budget, self.report, self.report_file, self._steps_since_log = None, None, None, 0
-        self._built_by_init = frozenset(self.__dict__)
+        self._copied_from(arguments)  # a copy (ddp_spawn pickles the callbacks) is built anew from its arguments
 
-    # --- copies -------------------------------------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy (``pickle``, ``copy.deepcopy``; ``ddp_spawn`` pickles the trainer's callbacks) holds plain state only:
-        the arguments, what a checkpoint holds, the results, and attributes a subclass added. The parts that run
-        (threads, locks, hooks into the loops) are built anew by :meth:`__setstate__` and wired at ``setup``."""
-        added = {k: v for k, v in self.__dict__.items() if k not in self._built_by_init}
-        results = {"budget": self.budget, "report": self.report, "report_file": self.report_file}
-        return {"arguments": self._arguments, "tuning": self._tuning_state(), "results": results, "added": added}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        DataLoaderTuner.__init__(self, **state["arguments"])
-        self._load_tuning_state(state["tuning"])
-        self.__dict__.update(state["results"])
-        self.__dict__.update(state["added"])
+    def _rebuild(self, **arguments: Any) -> None:
+        DataLoaderTuner.__init__(self, **arguments)
 
     # --- results, read from the parts ---------------------------------------------------------------------------
     phase = property(lambda self: self.state.phase, doc="The tuning :class:`~lightning_dltune.tuning.state.Phase`.")
@@ -426,6 +418,13 @@ class DataLoaderTuner(EvalLoopHooks, Callback):
     def _load_tuning_state(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state)
         self.evals.load_state_dict(state.get("loops", {}))
+
+    def _plain_state(self) -> dict[str, Any]:  # a copy's: what was learnt and the results
+        return {"tuning": self._tuning_state(), "budget": self.budget, "report": self.report, "file": self.report_file}
+
+    def _load_plain_state(self, state: dict[str, Any]) -> None:
+        self._load_tuning_state(state["tuning"])
+        self.budget, self.report, self.report_file = state["budget"], state["report"], state["file"]
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
