@@ -304,7 +304,9 @@ def test_webdataset_with_fewer_shards_than_the_workers_tried_trains_on_without_a
         return DataLoader(dataset.decode().map(slower_sample), batch_size=BATCH)
 
     tuner = DataLoaderTuner(tune_iterable=True)  # split_by_worker gives each worker its own shards
-    with pytest.warns(DLTuneWarning, match=r"failed its first batch \(No samples found in dataset; perhaps you have"):
+    with pytest.warns(
+        DLTuneWarning, match=r"failed its first batch \(ValueError: No samples found in dataset; perhaps you have"
+    ):
         seen = fit(tmp_path / "run", web_loader, tuner, epochs=4)
     assert_exact(seen, epochs=4)
     failed = [t for t in tuner.trials if t.failed]

@@ -55,11 +55,10 @@ def test_an_imagefolder_pipeline_tuned_from_0_workers_trains_the_untuned_order(t
 
     epochs = [tuned.seen_indices[e * IMAGES : (e + 1) * IMAGES] for e in range(EPOCHS)]
     assert all(sorted(e) == list(range(IMAGES)) for e in epochs)  # every image once an epoch
-    # the epochs up to the first that ended on the tuner's workers draw their order as the untuned run does. At 0
-    # workers the crops draw from the training process's random state, from which the next epoch's order is drawn
-    # too: after an epoch on workers (whose crops draw from their own seeds) the orders differ, as they do when a
-    # user changes `num_workers` by hand
-    first = next(e for e, workers in tuned.epoch_workers.items() if workers > 0)  # StopIteration: it never moved
-    compared = (first + 1) * IMAGES
-    assert tuned.seen_indices[:compared] == untuned.seen_indices[:compared]
-    assert tuner.trials[0].settings.num_workers == 0 and tuner.report_file is not None and tuner.report_file.exists()
+    # the first epoch draws its order as the untuned run does. Later ones do not: the untuned run's crops, loaded in
+    # the training process at 0 workers, move the random state the next epoch's order is drawn from, and the tuned
+    # run's draw from states of their own (switching/randomness.py), so its order does not follow the worker count
+    # it chose (tests/test_citizen.py trains one order whatever the choice)
+    assert any(workers > 0 for workers in tuned.epoch_workers.values())  # it moved off 0 workers
+    assert tuned.seen_indices[:IMAGES] == untuned.seen_indices[:IMAGES]
+    assert tuner.trials[0].settings.num_workers == 0 and tuner.report is not None  # no logger: no file, the report kept

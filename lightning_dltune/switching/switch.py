@@ -247,7 +247,7 @@ def error_summary(error: BaseException) -> str:
     ...``, of the error's type, whatever lines follow it); else the message's last line, or the type's name."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     own = f"{type(error).__name__}: "
-    raised = [line[len(own) :] for line in lines[1:] if line.startswith(own)]
+    raised = [line for line in lines[1:] if line.startswith(own)]
     if raised:
         return raised[-1]
     return lines[-1] if lines else type(error).__name__
