@@ -11,8 +11,6 @@ from lightning_utilities.core.imports import RequirementCache
 # the `[view]` extra: the picture of a run (`dltune plot`, the PNG after `fit`) and TensorBoard's logs
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib>=3.7")
 _TENSORBOARD_AVAILABLE = RequirementCache("tensorboard>=2.12")
-# numpy's global random state is one that a dataset's augmentations draw from (see switching/randomness.py)
-_NUMPY_AVAILABLE = RequirementCache("numpy")
 
 VIEW_EXTRA = "pip install 'lightning-dltune[view]'"
 MATPLOTLIB_MISSING = (
