@@ -407,10 +407,7 @@ class LoaderSwitcher:
             return loader
         try:
             quiet = "num_workers" in overrides  # the tuner's count, not the user's
-            new = _lightning.rebuild_dataloader(loader, overrides, quiet=quiet)
-            self._built.add(new)  # a new object: not the user's own
-            if isinstance(new.batch_sampler, ResumableBatchSampler):
-                _lightning.show_sampler(new)
+            new = self._mark_built(_lightning.rebuild_dataloader(loader, overrides, quiet=quiet))
             return self._said_why(new) if quiet else new
         except _lightning.NotRebuildableError as ex:
             self._disable("not-rebuildable", f"the train loader cannot be rebuilt ({ex}); it is only measured")
@@ -702,7 +699,14 @@ class LoaderSwitcher:
         with _lightning.recording():
             new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
         self.seamless.attach(new)
+        return self._mark_built(new)
+
+    def _mark_built(self, new: DataLoader) -> DataLoader:
+        """``new`` is a loader this switcher built (a new object, not the user's own: changed in place, let go of at
+        ``restore``); one with a :class:`ResumableBatchSampler` shows Lightning the sampler it draws from."""
         self._built.add(new)
+        if isinstance(new.batch_sampler, ResumableBatchSampler):
+            _lightning.show_sampler(new)
         return new
 
     def _lead(self, new: DataLoader) -> tuple[int, int] | None:

@@ -187,7 +187,7 @@ class TuningState:
             return False
         if on_gpu:
             return stats.steps >= self.policy.min_steps and plainly_input_bound(stats, self.policy)
-        limited = None if budget is None else self._within_memory_limit(budget)
+        limited = None if budget is None else self._within_limits(budget)
         return judged_early([*self.trials, Trial(self.current, self.judged(stats))], self.policy, limited) is not None
 
     def judged(self, stats: WindowStats) -> WindowStats:
@@ -206,7 +206,7 @@ class TuningState:
         limits = [limit for limit in (self.memory_limit, self.feed_limit) if limit is not None]
         return min(limits) if limits else None
 
-    def _within_memory_limit(self, budget: Budget) -> Budget:
+    def _within_limits(self, budget: Budget) -> Budget:
         """``budget`` with its worker cap lowered to :attr:`workers_limit`, once one was learnt."""
         limit = self.workers_limit
         if limit is None:
@@ -253,7 +253,7 @@ class TuningState:
             return Decision("settle", fallback, why, rule="failed_on_a_rank")
         if self.current is None or not self.switching:
             return None
-        budget = self._within_memory_limit(budget)
+        budget = self._within_limits(budget)
         trial = Trial(self.current, self.judged(stats))
         down = enforce_memory([*self.trials, trial], budget, self.policy, tuning=self.tuning)
         if down is not None or not self.tuning:  # the memory budget is held after tuning too
