@@ -23,13 +23,13 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.measurement.memory import MiB
 from lightning_dltune.tools.synthetic import (
     PythonObjectsDataset,
     SimulatedModel,
     SyntheticDataModule,
     WorkerMemoryWatch,
 )
-from lightning_dltune.tuning.memory import MiB
 
 from sections import QUIET, publish, write_results
 

@@ -1,5 +1,6 @@
 """lightning-dltune: measure DataLoader stalls inside a Lightning run and tune the loader online."""
 
+from lightning_dltune._version import __version__
 from lightning_dltune._warn import DLTuneWarning
 from lightning_dltune.callback import DataLoaderTuner
 from lightning_dltune.measurement.gpu import GpuStats, GpuTimeline
@@ -10,8 +11,6 @@ from lightning_dltune.tuning.diagnose import diagnose
 from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial
 from lightning_dltune.tuning.rules import decide
 from lightning_dltune.tuning.state import Phase, TuningState
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Budget",

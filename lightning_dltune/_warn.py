@@ -1,10 +1,9 @@
-"""The library's warning category and a once-per-process cache, so a condition never warns per batch."""
+"""The library's warning category and a once-per-process cache, so a condition never warns per batch. Lightning's
+rank-zero utilities are imported when a message is first said: what warns (the budget's readers) loads no Lightning."""
 
 from __future__ import annotations
 
 import warnings
-
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class DLTuneWarning(UserWarning):
@@ -23,6 +22,8 @@ def warn_once(key: str, message: str, every_rank: bool = False) -> None:
     if every_rank:
         warnings.warn(message, DLTuneWarning, stacklevel=2)
     else:
+        from lightning.pytorch.utilities import rank_zero_warn
+
         rank_zero_warn(message, category=DLTuneWarning)
 
 
@@ -32,6 +33,8 @@ def info_once(key: str, message: str) -> None:
     if key in _seen:
         return
     _seen.add(key)
+    from lightning.pytorch.utilities import rank_zero_info
+
     rank_zero_info(message)
 
 

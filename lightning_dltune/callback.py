@@ -2,7 +2,7 @@
 
 * :class:`~lightning_dltune.measurement.probe.Probe` measures (the step timer, the GPU timeline, CPU and worker memory);
 * :class:`~lightning_dltune.tuning.state.TuningState` decides and remembers (phase, trials, settings, result);
-* :class:`~lightning_dltune.tuning.agree.Agreement` makes every decision the same on every rank;
+* :class:`~lightning_dltune.agreement.Agreement` makes every decision the same on every rank;
 * :class:`~lightning_dltune.switching.loader.LoaderSwitcher` builds, switches and recovers the train loader;
 * :class:`~lightning_dltune.output.view.RunView` shows the run: the loggers, TensorBoard's dashboard and text, the PNG.
 """
@@ -22,27 +22,27 @@ from typing_extensions import override
 
 from lightning_dltune._copies import RebuiltWhenCopied
 from lightning_dltune._warn import reset_warnings
+from lightning_dltune.agreement import Agreement
 from lightning_dltune.measurement.budget import tuner_budget, warn_shm_risk
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.measurement.probe import Probe
 from lightning_dltune.output.cache import RunCache
 from lightning_dltune.output.report import build_report, window_metrics
 from lightning_dltune.output.view import RunView
-from lightning_dltune.settings import LoaderSettings, check_one_tuner, check_tuner_arguments
+from lightning_dltune.settings import LoaderSettings, Mode, check_one_tuner, check_tuner_arguments
 from lightning_dltune.switching.evaluation import EVAL_LOOPS, EvalLoaders, EvalLoopHooks, beside
 from lightning_dltune.switching.loader import LoaderSwitcher, is_last_epoch, remaining_steps
-from lightning_dltune.tuning.agree import Agreement
 from lightning_dltune.tuning.model import Budget, Policy
-from lightning_dltune.tuning.state import Mode, Phase, TuningState, WindowPlan
+from lightning_dltune.tuning.state import Phase, TuningState, WindowPlan
 
 
 class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
-    r"""Measure how long training waits for data and retune the train ``DataLoader`` between epochs, and the
-    validation, test and predict loaders between their passes.
+    r"""Measure how long training waits for data and retune the train ``DataLoader`` (inside an epoch or between
+    epochs, see ``mode``), and the validation, test and predict loaders between and inside their passes.
 
-    During the first epochs it times every step (data wait, step, other host time), and at each epoch end a
-    model of the loader decides whether to rebuild the train loader with other ``num_workers`` /
-    ``prefetch_factor``, within the CPUs this process may use. Once the stall is gone (or more workers stop
+    It times every step (data wait, step, other host time), and at the end of each measurement window a model of
+    the loader decides whether to run the train loader with other ``num_workers`` / ``prefetch_factor``, within
+    the CPUs and memory this process may use. Once the stall is gone (or more workers stop
     paying) it settles, prints a summary with a one-line diagnosis, and writes ``dltune_report.json``.
 
     On CUDA the stall is measured as the GPU sees it: CUDA events at step end, fetch start and end, and step
@@ -82,8 +82,9 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
         log_gpu: sample GPU utilization and memory through NVML on CUDA.
         cache: where settled settings are remembered across runs: ``None`` uses ``$DLTUNE_CACHE`` or
             ``~/.cache/lightning-dltune/cache.json``, a path uses that file, ``False`` disables it. A run whose
-            key (host CPUs and memory, accelerator, dataset class and length, batch size, local world size,
-            library version) is cached starts from the cached settings and only verifies them.
+            key (host CPUs and memory, accelerator, dataset class and length, batch size, the workers' start method,
+            the tuner's limits, local world size, rank and world size under DDP, library version) is cached, and
+            whose samples cost about what they cost then, starts from the cached settings and only verifies them.
         report_path: the file to write the JSON report to; ``None`` writes ``dltune_report.json`` in the logger's
             directory, where Lightning writes the run's files (without a logger, none: the report is on
             ``tuner.report``), ``False`` writes none. A path that cannot be written when ``fit``
@@ -147,9 +148,10 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
     and the summary (headline, diagnosis, table) goes to the Text tab (tag ``dltune/summary``) when tuning ends
     and when training ends.
 
-    Distributed: every rank measures; each decision is taken on the slowest rank's statistics and the
-    smallest budget of any node (gathered with the strategy's ``all_gather``), and every rank switches at the
-    same step, so Lightning's reload barrier never waits on a rank that decided otherwise.
+    Distributed: every rank measures; each decision is taken on the statistics of the rank that waited most for
+    data and the smallest budget of any node (gathered with the strategy's ``all_gather``), and every rank switches
+    at the same step, so Lightning's reload barrier never waits on a rank that decided otherwise. Once tuning ends,
+    where the ranks' stalls differed, each rank runs its own worker count (``rank_workers`` in the report).
 
     Run length: a switch restarts the loader's workers, so with ``max_epochs``/``max_steps`` known a config is
     tried only if it is predicted to save more over the steps left than its start-up costs; otherwise the tuner

@@ -6,7 +6,10 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
+
+Mode = Literal["auto", "epoch", "in_epoch"]
+MODES: tuple[str, ...] = ("auto", "epoch", "in_epoch")  # `DataLoaderTuner(mode=...)`
 
 DEFAULT_PREFETCH_FACTOR = 2
 
@@ -210,8 +213,6 @@ def check_tuner_arguments(
     eval_loops: Any = ("val", "test", "predict"),
 ) -> None:
     """Check ``DataLoaderTuner``'s arguments: a ``TypeError``/``ValueError`` naming the first bad one."""
-    from lightning_dltune.tuning.state import MODES
-
     in_range = lambda: 0 < stall_threshold < 1  # noqa: E731
     check_float(stall_threshold, "stall_threshold", "in (0, 1)", in_range, "Use 0.05 to accept a 5% stall.")
     check_int(max_trials, "max_trials", 1, "Use 1 to measure without retuning.")

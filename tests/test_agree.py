@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lightning_dltune.agreement import Agreement
 from lightning_dltune.measurement.measure import WindowStats
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning.agree import Agreement
 from lightning_dltune.tuning.model import Budget, Decision
 
 FIELDS = [f.name for f in dataclasses.fields(WindowStats)]
@@ -120,11 +120,11 @@ def test_a_cache_hit_is_rank_zeros_and_only_when_every_rank_has_the_same_key():
 
 
 def test_every_memory_field_is_agreed_on_as_the_largest_rank_s():
-    """Memory is held per node: a new memory field of ``WindowStats`` must be in ``agree._MAX_FIELDS``."""
+    """Memory is held per node: a new memory field of ``WindowStats`` must be in ``agreement._MAX_FIELDS``."""
     import dataclasses
 
+    from lightning_dltune import agreement as agree
     from lightning_dltune.measurement.measure import WindowStats
-    from lightning_dltune.tuning import agree
 
     memory_fields = {f.name for f in dataclasses.fields(WindowStats) if "mem" in f.name} | {"batch_bytes"}
     assert memory_fields == set(agree._MAX_FIELDS)
@@ -151,8 +151,6 @@ def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary(
     from lightning_dltune.output.report import (
         STALL_MAX_RANK,
         summary_table,
-        trial_from_dict,
-        trial_to_dict,
         window_metrics,
     )
     from lightning_dltune.tuning.model import Trial
@@ -162,7 +160,7 @@ def test_each_rank_s_stall_is_logged_kept_on_the_trial_and_shown_in_the_summary(
     assert metrics[STALL_MAX_RANK] == 1.0 and metrics["dltune/stall_frac_spread"] == pytest.approx(0.8)
     assert "dltune/stall_frac_max" not in window_metrics(stats, None, LoaderSettings())  # a single process
     trial = replace(Trial(LoaderSettings.normalized(8), stats), ranks=(0.1, 0.9))
-    assert trial_from_dict(trial_to_dict(trial)).ranks == (0.1, 0.9)
+    assert Trial.from_dict(trial.to_dict()).ranks == (0.1, 0.9)
     assert "0:10% 1:90%" in summary_table([trial], None)
 
 
@@ -264,7 +262,7 @@ def test_a_resumed_rank_gets_its_own_count_back_from_the_checkpoint_of_a_settled
 def test_the_rank_that_needs_most_on_its_node_gets_what_the_node_s_other_ranks_leave(
     nodes, ceilings, needs, own, counts, unpooled
 ):
-    from lightning_dltune.tuning.agree import own_ceilings, own_counts
+    from lightning_dltune.agreement import own_ceilings, own_counts
 
     assert own_ceilings(nodes, ceilings, needs) == own
     # once tuning ended on 12 workers: the neediest rank of each node keeps them within its own ceiling, the others

@@ -181,9 +181,9 @@ def test_under_ddp_each_rank_has_its_own_entry_and_ranks_compare_keys_apart_from
 
     from torch.utils.data import DataLoader
 
+    from lightning_dltune.agreement import Agreement
     from lightning_dltune.output.cache import RunCache, key_fields
     from lightning_dltune.tools.cli import main
-    from lightning_dltune.tuning.agree import Agreement
     from lightning_dltune.tuning.model import Trial
     from lightning_dltune.tuning.state import TuningState
 

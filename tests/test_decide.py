@@ -3,10 +3,10 @@ from dataclasses import replace
 import pytest
 
 from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.measurement.memory import MiB
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.tuning.compare import pick_best
 from lightning_dltune.tuning.diagnose import diagnose
-from lightning_dltune.tuning.memory import MiB
 from lightning_dltune.tuning.model import Budget, Policy, Trial, estimate, handover_s
 from lightning_dltune.tuning.rules import decide, verify_cached
 from lightning_dltune.tuning.state import TuningState
@@ -667,7 +667,7 @@ def with_mem(t, worker_mib, batch_mib=0.0, growth_mib=0.0, main_mib=0.0, epoch=0
     per batch a worker loads, in a process of ``main_mib`` and an epoch of ``epoch`` batches."""
     from dataclasses import replace
 
-    from lightning_dltune.tuning.memory import WorkerMemory
+    from lightning_dltune.measurement.memory import WorkerMemory
 
     w = t.settings.num_workers
     total = worker_mib * w if total_mib is None else total_mib

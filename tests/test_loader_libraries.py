@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
+from lightning_dltune.measurement.memory import MiB
 from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataset
-from lightning_dltune.tuning.memory import MiB
 
 from helpers import make_trainer
 

@@ -4,9 +4,7 @@ import math
 
 import pytest
 
-from lightning_dltune.measurement.probe import MemoryWatch
-from lightning_dltune.tuning.diagnose import diagnose
-from lightning_dltune.tuning.memory import (
+from lightning_dltune.measurement.memory import (
     MemorySample,
     MiB,
     WorkerMemory,
@@ -19,6 +17,8 @@ from lightning_dltune.tuning.memory import (
     total_bytes,
     worker_bytes,
 )
+from lightning_dltune.measurement.probe import MemoryWatch
+from lightning_dltune.tuning.diagnose import diagnose
 from lightning_dltune.tuning.model import Budget, Policy, estimate
 from lightning_dltune.tuning.rules import decide, enforce_memory
 from lightning_dltune.tuning.state import TuningState
@@ -458,7 +458,7 @@ def test_readings_too_few_batches_apart_do_not_measure_the_workers_growth():
     ],
 )
 def test_a_background_start_must_fit_beside_the_running_workers(running, workers, budget, fits):
-    from lightning_dltune.tuning.memory import WorkerMemory, fits_beside
+    from lightning_dltune.measurement.memory import WorkerMemory, fits_beside
 
     assert fits_beside(running, WorkerMemory(base_bytes=50, growth_bytes=5), workers, 10, budget) is fits
 

@@ -11,6 +11,7 @@ import torch
 from test_in_epoch import EpochIndices, WorkersPerBatch
 
 from lightning_dltune import DataLoaderTuner
+from lightning_dltune.measurement.memory import MiB
 from lightning_dltune.tools.synthetic import (
     PythonObjectsDataset,
     SimulatedModel,
@@ -18,7 +19,6 @@ from lightning_dltune.tools.synthetic import (
     SyntheticDataset,
     WorkerMemoryWatch,
 )
-from lightning_dltune.tuning.memory import MiB
 
 from helpers import make_trainer
 

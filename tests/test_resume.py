@@ -1,3 +1,6 @@
+import shutil
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -108,11 +111,11 @@ class Indices(pl.Callback):
         self.seen.extend(int(i) for i in batch[2])
 
 
-def indices_of(path, tuner, **kwargs):
+def indices_of(path, tuner, latency_ms=1.0, **kwargs):
     """The dataset indices one epoch trains on, in order (a 60-batch epoch, seeded)."""
     pl.seed_everything(11, workers=True)
     seen = Indices()
-    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=1.0), batch_size=8, num_workers=0)
+    dm = SyntheticDataModule(SyntheticDataset(length=480, latency_ms=latency_ms), batch_size=8, num_workers=0)
     fit(path, epochs=1, tuner=tuner, dm=dm, spy=seen, **kwargs)
     return seen.seen
 
@@ -167,3 +170,26 @@ def test_a_second_checkpoint_in_a_resumed_epoch_keeps_the_order(tmp_path):
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
         tail = indices_of(tmp_path / "c", tuner(), ckpt_path=second)
     assert head + middle + tail == reference  # no sample lost or repeated across two restarts
+
+
+CHECKPOINTS = sorted((Path(__file__).parent / "data").glob("tuner-*-mid-epoch.ckpt"))
+
+
+@pytest.mark.parametrize("path", CHECKPOINTS, ids=[p.name for p in CHECKPOINTS])
+def test_a_checkpoint_an_earlier_release_wrote_mid_epoch_resumes_in_the_same_order(tmp_path, path):
+    """A checkpoint committed at a release (``tests/data/make_checkpoint.py``: a stalled fit stopped at step 25 of 60,
+    one trial taken, 3 workers running) still loads: the epoch goes on from its batch in its order on the settings it
+    ran, and what was learnt is kept."""
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("DataLoaderTuner")]
+    reference = indices_of(tmp_path / "ref", DataLoaderTuner(observe_only=True, cache=False), latency_ms=5.0)
+    assert state["epoch_order"] == reference and state["epoch_batch"] == 25  # the file is the fit it says it is
+    ckpt = tmp_path / path.name
+    shutil.copy(path, ckpt)
+    tuner = DataLoaderTuner(cache=False)
+    with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
+        tail = indices_of(tmp_path / "c", tuner, latency_ms=5.0, ckpt_path=ckpt)
+    assert tail == reference[25 * 8 :]
+    learnt = len(state["trials"])
+    assert [t.to_dict() for t in tuner.trials[:learnt]] == state["trials"]
+    assert tuner.trials[learnt].settings == LoaderSettings.from_dict(state["loader_settings"])  # the next window's

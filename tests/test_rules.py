@@ -9,7 +9,7 @@ import pytest
 
 from lightning_dltune.measurement.gpu import GpuStats
 from lightning_dltune.measurement.measure import WindowStats
-from lightning_dltune.output.report import summary_table, trial_from_dict, trial_to_dict
+from lightning_dltune.output.report import summary_table
 from lightning_dltune.tuning.model import Budget, Policy, Trial
 from lightning_dltune.tuning.rules import FINAL, RULES, SETTLE_OVERRIDES, decide, enforce_memory, verify_cached
 from lightning_dltune.tuning.state import TuningState
@@ -163,7 +163,7 @@ def test_a_trial_records_its_rule_and_a_failed_config_is_named_so():
     state.apply(decision, start.stats, BUDGET, step=40)
     assert state.trials[-1].rule == "jump_to_the_model"
     assert "[jump_to_the_model] try workers=16" in summary_table(state.trials, None)
-    assert trial_from_dict(trial_to_dict(state.trials[-1])).rule == "jump_to_the_model"  # the report keeps it
+    assert Trial.from_dict(state.trials[-1].to_dict()).rule == "jump_to_the_model"  # the report keeps it
     state.current = cfg(16)
     state.fail(WindowStats(), "a DataLoader worker died: killed", BUDGET, step=50)
     assert state.trials[-1].rule == "config_failed" and state.trials[-1].failed
@@ -237,8 +237,8 @@ def test_every_rule_has_a_case():
 def test_an_older_trial_over_the_memory_budget_reads_as_that_rule():
     """A report or checkpoint written before rules had names: the memory budget's failure is told by its words."""
     old = {"settings": {"num_workers": 8}, "stats": {}, "failed": "over the memory budget (320 MiB of 200 MiB)"}
-    assert trial_from_dict(old).rule == "over_memory_budget"
-    assert trial_from_dict({**old, "failed": None}).rule == ""
+    assert Trial.from_dict(old).rule == "over_memory_budget"
+    assert Trial.from_dict({**old, "failed": None}).rule == ""
 
 
 def test_pinned_memory_is_tried_once_where_lightning_reloads_and_its_workers_were_not_persistent():

@@ -1,2 +1,3 @@
 """Measurement: the step timer and its windows (``measure``), the probe that reads every clock and counter
-(``probe``), the GPU's timeline (``gpu``), NVML (``nvml``) and the resource budget (``budget``)."""
+(``probe``), the GPU's timeline (``gpu``), NVML (``nvml``), the resource budget (``budget``) and the workers' memory
+model fitted to what they hold (``memory``)."""

@@ -1,5 +1,6 @@
-"""How many CPUs this training process may really use: affinity, cgroup v2 ``cpu.max`` or the v1 CFS quota,
-divided among the training processes of the node. Every reader takes the filesystem root as a parameter so
+"""The resources the tuner may spend (:class:`Budget`), as measured: how many CPUs this training process may really
+use (affinity, cgroup v2 ``cpu.max`` or the v1 CFS quota, divided among the training processes of the node), memory
+and ``/dev/shm``. Every reader takes the filesystem root as a parameter so
 tests can point it at a fake ``/proc`` and ``/sys/fs/cgroup`` tree."""
 
 from __future__ import annotations
@@ -11,7 +12,20 @@ from pathlib import Path
 
 from lightning_dltune._warn import warn_once
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning.model import Budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The resources the tuner may spend. ``cpus`` is what this training process may use (already divided
+    among the local ranks); ``bound_by`` names the limit that set it, for the report."""
+
+    cpus: float
+    max_workers: int
+    max_prefetch: int = 8
+    bound_by: str = "affinity"
+    memory_bytes: float | None = None  # what workers and pinned buffers may add
+    shm_bytes: float | None = None  # free /dev/shm, where batches cross from workers to the trainer
+    users_ceiling: bool = False  # ``max_workers`` is the user's: under DDP it is not pooled among a node's ranks
 
 
 @dataclass(frozen=True)

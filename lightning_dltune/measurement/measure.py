@@ -29,7 +29,7 @@ from typing import Any
 
 from lightning_dltune._stats import block_means, few, sem, trimmed_mean_sem
 from lightning_dltune.measurement.gpu import GpuStats
-from lightning_dltune.tuning.memory import WorkerMemory
+from lightning_dltune.measurement.memory import WorkerMemory
 
 Clock = Callable[[], float]
 
@@ -86,7 +86,7 @@ class WindowStats:
     startup_sample_sem_s: float = 0.0
     worker_mem_bytes: float = 0.0  # largest unique memory (USS) of one worker, sampled during the window
     worker_mem_total_bytes: float = 0.0  # the workers' USS summed, its peak during the window
-    worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.tuning.memory)
+    worker_mem_base_bytes: float = 0.0  # a worker's USS at its start, fitted (see lightning_dltune.measurement.memory)
     worker_mem_growth_bytes: float = 0.0  # what a worker's USS grows per batch it loads (copy-on-read), fitted
     worker_mem_jump_bytes: float = 0.0  # what a fresh worker copies in its first batches, saturating, fitted
     worker_mem_saturation: float = 0.0  # the batches over which that jump saturates (0: no jump), fitted
@@ -200,7 +200,7 @@ class WindowStats:
 
     @property
     def worker_memory(self) -> WorkerMemory:
-        """The window's fit of the workers' memory (:mod:`lightning_dltune.tuning.memory`)."""
+        """The window's fit of the workers' memory (:mod:`lightning_dltune.measurement.memory`)."""
         return WorkerMemory(
             self.worker_mem_base_bytes or self.worker_mem_bytes,
             self.worker_mem_growth_bytes,

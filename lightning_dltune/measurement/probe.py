@@ -21,7 +21,7 @@ import torch
 from lightning_dltune._warn import warn_once
 from lightning_dltune.measurement import gpu
 from lightning_dltune.measurement.measure import Clock, StepTimer, WindowStats, process_cpu_seconds
-from lightning_dltune.tuning.memory import (
+from lightning_dltune.measurement.memory import (
     MemorySample,
     WorkerMemory,
     fit,
@@ -93,7 +93,7 @@ class MemoryWatch:
 
     The training loop counts the batches it took (:meth:`batch_taken`); a sample records, for the worker set it
     read (the same PIDs), the batches taken since that set started. :meth:`take` fits the window's samples
-    (:func:`lightning_dltune.tuning.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of the
+    (:func:`.memory.fit`) and starts the next window; :attr:`latest` is the newest reading of the
     current window, and :meth:`held` what the workers hold now for the budget check at each step: their newest
     reading (of any window, since the loader was built) plus the growth measured per batch (copy-on-read) times
     the batches taken since, up to the training process's own size per worker. Readings come every ``interval_s`` at

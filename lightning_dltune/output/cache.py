@@ -174,7 +174,7 @@ def key_fields(
     ``rank`` and ``world_size``: under DDP each rank's entry is its own."""
     import psutil
 
-    from lightning_dltune import __version__
+    from lightning_dltune._version import __version__
 
     dataset = loader.dataset
     ranks = {"rank": rank, "world_size": world_size} if world_size > 1 else {}
@@ -251,8 +251,8 @@ class RunCache:
         """Start the tuning ``state`` of ``loader`` from its cached settings (``TuningState.start_from_cache``), where
         it has not begun; returns them on a hit. Under DDP every rank starts on the same config: rank zero's hit,
         where every rank's key but for its rank is the same (``agreement``'s
-        :meth:`~lightning_dltune.tuning.agree.Agreement.same_start`); :attr:`own` keeps this rank's own entry, which
-        ``agreement`` is told of (:meth:`~lightning_dltune.tuning.agree.Agreement.cached`)."""
+        :meth:`~lightning_dltune.agreement.Agreement.same_start`); :attr:`own` keeps this rank's own entry, which
+        ``agreement`` is told of (:meth:`~lightning_dltune.agreement.Agreement.cached`)."""
         if not state.tuning or state.target is not None or state.trials:
             return None
         rank, world = int(getattr(trainer, "global_rank", 0)), int(getattr(trainer, "world_size", 1))
@@ -267,7 +267,7 @@ class RunCache:
 
     def teach(self, state: Any, own: dict[str, Any] | None = None) -> None:
         """Remember what ``state`` (a ``TuningState`` whose tuning ended) settled on; ``own``: what this rank's entry
-        keeps beside it under DDP (:meth:`~lightning_dltune.tuning.agree.Agreement.cache_extra`)."""
+        keeps beside it under DDP (:meth:`~lightning_dltune.agreement.Agreement.cache_extra`)."""
         settings = state.cacheable()
         if settings is not None and state.loads_ahead(settings.num_workers, settings.prefetch_factor):
             own = {**(own or {}), "loads_ahead": True}  # the next run judges it at the epoch's end, as this one did

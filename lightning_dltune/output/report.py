@@ -169,37 +169,6 @@ def summary_table(trials: Sequence[Trial], settled: LoaderSettings | None) -> st
     return "\n".join(lines)
 
 
-def trial_to_dict(trial: Trial) -> dict[str, Any]:
-    return {
-        "settings": trial.settings.to_loader_kwargs(),
-        "stats": trial.stats.to_dict(),
-        "failed": trial.failed,
-        "decision": trial.decision,
-        "rule": trial.rule,
-        "ranks": list(trial.ranks),
-    }
-
-
-def trial_from_dict(data: dict[str, Any]) -> Trial:
-    from lightning_dltune.measurement.measure import WindowStats
-
-    return Trial(
-        settings=LoaderSettings.from_dict(data.get("settings", {})),
-        stats=WindowStats.from_dict(data.get("stats", {})),
-        failed=data.get("failed"),
-        decision=data.get("decision", ""),
-        rule=data.get("rule") or _rule_of_older(data),
-        ranks=tuple(float(x) for x in data.get("ranks") or ()),
-    )
-
-
-def _rule_of_older(data: dict[str, Any]) -> str:
-    """The rule of a trial saved before rules had names (report version 2, state version 1): only the memory
-    budget's, which the diagnosis reads, is told from its words."""
-    failed = data.get("failed")
-    return "over_memory_budget" if isinstance(failed, str) and "memory budget" in failed else ""
-
-
 def build_report(
     *,
     trials: Sequence[Trial],
@@ -227,7 +196,7 @@ def build_report(
             "max_prefetch": budget.max_prefetch,
             "bound_by": budget.bound_by,
         },
-        "trials": [trial_to_dict(t) for t in trials],
+        "trials": [t.to_dict() for t in trials],
         "series": (series or WindowSeries()).to_dict(),
     }
     if extra:

@@ -219,7 +219,7 @@ class EvalTuner:
     def install(self, trainer: "pl.Trainer", budget: Budget, agreement: Any) -> None:
         """A run of the loop begins (``fit``, ``validate``, ``test`` or ``predict``): route its loader requests, its
         pass starts and its fetches here. A run held before tries its plan now. ``agreement``: the run's
-        :class:`~lightning_dltune.tuning.agree.Agreement` (every rank starts from the same cached config)."""
+        :class:`~lightning_dltune.agreement.Agreement` (every rank starts from the same cached config)."""
         self.budget, self._agreement = budget, agreement
         self._fork_restarts = 0
         if self._watch is None:
@@ -556,7 +556,7 @@ class EvalTuner:
 
     def pass_ended(self, trainer: "pl.Trainer", budget: Budget, left: int | None, agreement: Any) -> bool:
         """The pass ended, with ``left`` passes to come (``None``: unbounded): log it, and judge the window once it
-        has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.tuning.agree.Agreement`) takes the
+        has its steps (or no pass is left). ``agreement`` (:class:`~lightning_dltune.agreement.Agreement`) takes the
         decision on every rank alike, a config that failed on one rank included. True when tuning ended here."""
         if not self._counting or self.state.current is None:
             return False
@@ -741,7 +741,7 @@ class EvalLoaders:
         around: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None),
     ) -> None:
         """``stage`` begins: ``fit`` runs the validation loop, ``validate`` too; ``test`` and ``predict`` theirs.
-        ``agreement``: the run's :class:`~lightning_dltune.tuning.agree.Agreement`; ``train_held()``: what the train
+        ``agreement``: the run's :class:`~lightning_dltune.agreement.Agreement`; ``train_held()``: what the train
         loader's workers hold (alive during validation in ``fit``); ``verbose``: print a loop's summary when its
         tuning ends; ``around``: called as each of the loop's runs begins and ends (the train loader's measurement
         pauses for all of validation, its set-up before ``on_validation_start`` too)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
+from lightning_dltune.measurement import memory
 from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.measurement.memory import MiB, WorkerMemory
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning import memory
 from lightning_dltune.tuning.compare import busy_per_step, step_slowed
-from lightning_dltune.tuning.memory import MiB, WorkerMemory
 from lightning_dltune.tuning.model import (
     Bound,
     Budget,

@@ -19,28 +19,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
+from lightning_dltune.measurement import memory
+from lightning_dltune.measurement.budget import Budget
 from lightning_dltune.measurement.measure import WindowStats
+from lightning_dltune.measurement.memory import WorkerMemory
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning import memory
-from lightning_dltune.tuning.memory import WorkerMemory
 
 Action = Literal["measure", "try", "settle", "hold"]
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The resources the tuner may spend. ``cpus`` is what this training process may use (already divided
-    among the local ranks); ``bound_by`` names the limit that set it, for the report."""
-
-    cpus: float
-    max_workers: int
-    max_prefetch: int = 8
-    bound_by: str = "affinity"
-    memory_bytes: float | None = None  # what workers and pinned buffers may add
-    shm_bytes: float | None = None  # free /dev/shm, where batches cross from workers to the trainer
-    users_ceiling: bool = False  # ``max_workers`` is the user's: under DDP it is not pooled among a node's ranks
 
 
 @dataclass(frozen=True)
@@ -107,6 +94,32 @@ class Trial:
     decision: str = ""
     rule: str = ""  # the rule that made the decision (see `RULES`), "" before one was taken
     ranks: tuple[float, ...] = ()  # each rank's stall in this window (distributed runs; ``stats`` is the most stalled)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (a checkpoint's, a report's, the cache's): :meth:`from_dict` reads them back."""
+        return {
+            "settings": self.settings.to_loader_kwargs(),
+            "stats": self.stats.to_dict(),
+            "failed": self.failed,
+            "decision": self.decision,
+            "rule": self.rule,
+            "ranks": list(self.ranks),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trial:
+        """The trial :meth:`to_dict` wrote. One saved before rules had names (report version 2, state version 1)
+        gets the memory budget's rule where its words say so (the diagnosis reads it), no rule otherwise."""
+        failed = data.get("failed")
+        older = "over_memory_budget" if isinstance(failed, str) and "memory budget" in failed else ""
+        return cls(
+            settings=LoaderSettings.from_dict(data.get("settings", {})),
+            stats=WindowStats.from_dict(data.get("stats", {})),
+            failed=failed,
+            decision=data.get("decision", ""),
+            rule=data.get("rule") or older,
+            ranks=tuple(float(x) for x in data.get("ranks") or ()),
+        )
 
     @property
     def usable(self) -> bool:
@@ -193,7 +206,7 @@ def estimate(
 ) -> Estimate:
     """Estimate batch production cost from the usable trials, the last one weighing for CPU and busy time.
     ``pace_s``: the busy time a step takes once every rank is fed, where it is shorter than this process's own
-    (:attr:`~lightning_dltune.tuning.agree.Agreement.pace`: under DDP a rank's step also holds its wait for the
+    (:attr:`~lightning_dltune.agreement.Agreement.pace`: under DDP a rank's step also holds its wait for the
     others inside the collective); used only where a batch's time was measured (a window at 0 workers, or one that
     stalled with workers): the fallback, the workers times the step, holds the same wait."""
     usable = [t for t in trials if t.usable]

@@ -9,10 +9,10 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
+from lightning_dltune.measurement import memory
+from lightning_dltune.measurement.memory import MiB
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning import memory
 from lightning_dltune.tuning.compare import as_fast, faster_by, pick_best, step_slowed
-from lightning_dltune.tuning.memory import MiB
 from lightning_dltune.tuning.model import (
     Bound,
     Budget,

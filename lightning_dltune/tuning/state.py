@@ -19,12 +19,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
+from lightning_dltune.measurement import memory
 from lightning_dltune.measurement.measure import WindowStats
-from lightning_dltune.output.report import trial_from_dict, trial_to_dict
 from lightning_dltune.settings import LoaderSettings
-from lightning_dltune.tuning import memory
 from lightning_dltune.tuning.compare import pick_best
 from lightning_dltune.tuning.diagnose import diagnosis
 from lightning_dltune.tuning.model import Budget, Decision, Policy, Trial, handover_lead, worker_memory
@@ -40,8 +39,6 @@ from lightning_dltune.tuning.windows import (
 
 STATE_VERSION = 2  # 2: each trial's "rule"
 MAX_RECOVERIES = 3
-Mode = Literal["auto", "epoch", "in_epoch"]
-MODES: tuple[str, ...] = ("auto", "epoch", "in_epoch")
 _LONG_EPOCH_S = 60.0
 
 
@@ -463,7 +460,7 @@ class TuningState:
         return {
             "version": STATE_VERSION,
             "phase": self.phase.value,
-            "trials": [trial_to_dict(t) for t in self.trials],
+            "trials": [t.to_dict() for t in self.trials],
             "best_settings": self.best_settings,
             "start": None if self.start is None else self.start.to_loader_kwargs(),
             "target": None if target is None else target.to_loader_kwargs(),
@@ -479,7 +476,7 @@ class TuningState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         phase = state.get("phase", Phase.TUNING.value)
-        self.trials = [trial_from_dict(t) for t in state.get("trials", [])]
+        self.trials = [Trial.from_dict(t) for t in state.get("trials", [])]
         self.best_settings = state.get("best_settings")
         self.settled_step = state.get("settled_step")
         self.diagnosis = state.get("diagnosis", "")
