@@ -63,7 +63,8 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
             waiting on storage wants more workers than cores.
         max_prefetch: ceiling on ``prefetch_factor``.
         max_memory: memory the loader's workers (and pinned buffers) may add: a fraction of what this process
-            could still take (``0.5`` by default, honouring a cgroup ``memory.max``), or bytes (at least 1 MiB). Each
+            could still take (``0.5`` by default, honouring a cgroup ``memory.max``), or bytes (at least 1 MiB); divided
+            among a node's ranks. Each
             worker's unique memory (USS) is measured, and a config predicted to exceed this is never tried.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
@@ -74,8 +75,8 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
             ``window_steps`` steps, inside the epoch, continuing from exactly the batch the loop reached.
             ``"auto"``: in-epoch for long epochs (at least ``8 * window_steps`` batches, or a first window
             predicting over a minute per epoch), epoch boundaries otherwise, except that a window whose stall
-            is plainly the loader's (half the time or more, after ``min_steps``) switches at once when more than
-            ``min_steps`` batches of the epoch are left (single process only). In-epoch switching needs a
+            is plainly the loader's (half the time or more, judged from a few steps on) switches at once when more
+            than ``min_steps`` batches of the epoch are left. In-epoch switching needs a
             map-style dataset with a plain ``BatchSampler`` (what ``batch_size=``/``shuffle=`` create); other
             loaders fall back to epoch boundaries with one message.
         window_steps: steps per measurement window in in-epoch mode.

@@ -222,6 +222,9 @@ def test_pytorchs_worker_count_warning_is_replaced_by_one_line_of_the_tuners(tmp
     assert pytorch == [], [str(w.message) for w in pytorch]
     ours = [r.getMessage() for r in lightning_log.records if "starts more worker processes than the" in r.getMessage()]
     assert len(ours) == 1 and "on purpose" in ours[0], ours
+    # the tuner forked workers, none hung: nothing is said of CPython's fork bug, even on a Python that has it
+    said = [r.getMessage() for r in lightning_log.records] + [str(w.message) for w in caught]
+    assert not [m for m in said if "gh-112275" in m or "after it is forked" in m]
 
 
 def test_a_users_own_many_workers_still_get_pytorchs_warning(tmp_path, lightning_log):
@@ -284,8 +287,6 @@ def test_no_config_goes_past_max_prefetch(tmp_path):
     ],
 )
 def test_the_pythons_whose_forked_workers_can_hang_are_named(version, hangs):
-    from lightning_dltune.switching.forkwatch import FORK_HANG, forks_may_hang
+    from lightning_dltune.switching.forkwatch import forks_may_hang
 
     assert forks_may_hang(version) is hangs
-    said = FORK_HANG.format(version="3.11.7", after_s=10.0)
-    assert "Python 3.11.7 can leave a DataLoader worker hung" in said and "stuck there for 10 s" in said

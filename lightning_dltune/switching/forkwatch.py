@@ -32,14 +32,8 @@ import psutil
 
 from lightning_dltune._warn import warn_once
 
-__all__ = ["FORK_HANG", "MAX_FORK_RESTARTS", "ForkWatch", "forks_may_hang", "stopped_by_watch", "stuck", "watch_forks"]
+__all__ = ["MAX_FORK_RESTARTS", "ForkWatch", "forks_may_hang", "stopped_by_watch", "stuck", "watch_forks"]
 
-FORK_HANG = (
-    "DataLoaderTuner: Python {version} can leave a DataLoader worker hung for ever right after it is forked, where "
-    "another thread of this process held the interpreter's thread-state lock at that moment (CPython issue "
-    "gh-112275, fixed in 3.10.15, 3.11.10 and 3.12). The tuner stops a worker stuck there for {after_s:g} s and goes "
-    "on from the batch its loader reached; upgrade Python to avoid the wait."
-)
 MAX_FORK_RESTARTS = 3  # a loader started again on the same settings after a worker hung in its fork, per run
 
 
@@ -283,11 +277,14 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _say_stopped(pid: int) -> None:
+    """The one message of the watch, said only where a fork did hang (the Python that can is named in it)."""
+    version = ".".join(map(str, sys.version_info[:3]))
     warn_once(
         f"fork-stuck-{pid}",
         f"DataLoaderTuner: a process forked by this one (pid {pid}) hung in Python's after-fork code for "
-        f"{_WATCH.after_s:g} s (CPython issue gh-112275) and was stopped: a loader the tuner serves goes on from "
-        "the batch it reached, any other fails as for a worker that died.",
+        f"{_WATCH.after_s:g} s, a bug of Python {version} (CPython issue gh-112275, fixed in 3.10.15, 3.11.10 and "
+        "3.12), and was stopped: a loader the tuner serves goes on from the batch it reached, any other fails as when "
+        "a worker dies. Upgrade Python to avoid the wait.",
         every_rank=True,
     )
 

@@ -16,7 +16,6 @@ its target from there.
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,11 +29,10 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_dltune._warn import info_once, warn_once
 from lightning_dltune.measurement.probe import Probe
 from lightning_dltune.mixin import TunableDataModuleMixin
-from lightning_dltune.output.cache import start_method
 from lightning_dltune.settings import LoaderSettings
 from lightning_dltune.switching import _lightning
 from lightning_dltune.switching._lightning import NotRebuildableError, rebuild_dataloader, shutdown_workers
-from lightning_dltune.switching.forkwatch import FORK_HANG, MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
+from lightning_dltune.switching.forkwatch import MAX_FORK_RESTARTS, ForkWatch, stopped_by_watch, watch_forks
 from lightning_dltune.switching.randomness import LoadingRandomness
 from lightning_dltune.switching.seamless import Seamless, draws_from_global
 from lightning_dltune.switching.switch import (
@@ -298,9 +296,6 @@ class LoaderSwitcher:
             )
             return loader
         current = LoaderSettings.from_loader(loader)
-        if self._watch is not None and start_method(loader) == "fork":  # the workers the tuner starts too
-            version = ".".join(map(str, sys.version_info[:3]))
-            info_once("fork-hang", FORK_HANG.format(version=version, after_s=self._watch.after_s))
         self.alike = ranks_alike(loader)
         self._random.next = self._as_untuned(loader)
         kept, self._kept = self._kept, None

@@ -1,7 +1,8 @@
-"""Writes ``tuner-0.1.0-mid-epoch.ckpt``: a real Lightning checkpoint of a tuned fit stopped at step 25 of a 60-batch
-epoch that stalls (5 ms a sample, 20 ms a step), with ``DataLoaderTuner()``'s state as this release writes it. ``tests/test_resume.py`` resumes from it, so a
-later change to the tuner's state must still load what 0.1.0 wrote. Run it only to add a file for a new release
-(``python tests/data/make_checkpoint.py``), never to replace a committed one."""
+"""Writes ``tuner-0.1.0-mid-epoch.ckpt``: a real Lightning checkpoint of a tuned fit stopped at step 25 of a
+60-batch epoch that stalls (5 ms a sample, 20 ms a step), with ``DataLoaderTuner()``'s state as this release writes
+it. ``tests/test_resume.py`` resumes from it, so a later change to the tuner's state must still load what 0.1.0
+wrote. Run it only to add a file for a new release (``python tests/data/make_checkpoint.py``), never to replace a
+committed one."""
 
 import shutil
 import sys
