@@ -6,9 +6,9 @@
   A block that is not Python to run (a shell command, a config file) is fenced with its own language (``bash``,
   ``yaml``); a fence without a language fails, so that no example escapes the run.
 * The README stays under 250 lines.
-* The README's tables name what the code has: the rules (``rules.RULES``, ``rules.SETTLE_OVERRIDES``, ``rules.FINAL``
-  and the rules outside ``rules.decide``), ``DataLoaderTuner``'s arguments with their defaults, and the diagnoses
-  (``diagnose.DIAGNOSES``).
+* The tables name what the code has: the rules in ``docs/how-it-decides.md`` (``rules.RULES``,
+  ``rules.SETTLE_OVERRIDES``, ``rules.FINAL`` and the rules outside ``rules.decide``), and in the README
+  ``DataLoaderTuner``'s arguments with their defaults and the diagnoses (``diagnose.DIAGNOSES``).
 * Every relative link of these pages reaches a file of the repository.
 """
 
@@ -138,8 +138,8 @@ def code(cell: str) -> str:
     return found.group(1)
 
 
-def test_the_readme_names_every_rule_in_order():
-    rows = table(README.read_text(), "rule")
+def test_how_it_decides_names_every_rule_in_order():
+    rows = table((ROOT / "docs" / "how-it-decides.md").read_text(), "rule")
     named = [code(row[0]) for row in rows]
     outside = ["over_memory_budget", "cached_settings_hold", "failed_on_a_rank"]
     expected = [
@@ -169,7 +169,7 @@ def test_every_relative_link_reaches_a_file():
     broken = []
     for page in PAGES:
         text = re.sub(r"`[^`\n]*`", "", page.read_text())  # a code span's brackets are no link
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        for target in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r'<img src="([^"]+)"', text):
             path = target.split("#", 1)[0]
             if re.match(r"^[a-z]+:", target) or not path:
                 continue
