@@ -281,7 +281,7 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.probe.epoch_started(trainer.num_training_batches)
         self.switcher.epoch_started()
-        self.plan.epoch_started(self.switcher.resumable, self.state.tuning, trainer.num_training_batches)
+        self.plan.epoch_started(self.switcher.in_epoch, self.state.tuning, trainer.num_training_batches)
 
     @override
     def on_train_batch_start(
@@ -301,8 +301,8 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
             self._steps_since_log = 0
             self._log(trainer)
         if self._over_memory_budget():  # held at once, tuning or not (a distributed run agrees at a window's end)
-            return self._close_window(trainer, now=self.switcher.resumable, done=batch_idx + 1)
-        if not (self.switcher.resumable and self.state.tuning):
+            return self._close_window(trainer, now=self.switcher.in_epoch, done=batch_idx + 1)
+        if not (self.switcher.in_epoch and self.state.tuning):
             return
         batches = trainer.num_training_batches
         left = batches - (batch_idx + 1)

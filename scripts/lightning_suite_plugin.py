@@ -5,7 +5,10 @@ Loaded with ``-p lightning_suite_plugin`` (scripts/ on PYTHONPATH). It does thre
 * with ``DLTUNE_INJECT=1``, wraps ``lightning.pytorch.Trainer.__init__`` so that ``callbacks`` gets a fresh
   ``DataLoaderTuner()`` (all defaults) appended: ``callbacks=None`` becomes ``[tuner]``, a single Callback becomes
   ``[callback, tuner]``, a list or tuple gets the tuner at its end (a new list: the caller's is not changed); none
-  is added where a DataLoaderTuner is already there. Without it, Trainer is left alone.
+  is added where a DataLoaderTuner is already there. Without it, Trainer is left alone. With
+  ``DLTUNE_INJECT_CLASS=module.Class`` another callback class (constructed without arguments) is appended instead:
+  a control, to tell what any callback of that kind does to a test from what the tuner does (Lightning's own
+  ``lightning.pytorch.callbacks.DeviceStatsMonitor`` logs through the logger every step, as the tuner does).
 * in both modes, points ``$DLTUNE_CACHE`` at a fresh file in a temporary folder before each test, so that no
   test reads settings that another test (or an earlier run) settled.
 * with ``DLTUNE_SUITE_REPORT=PATH``, writes ``{nodeid: {"outcome", "reason", "tuners"}}`` to PATH at the end of
@@ -26,6 +29,7 @@ from typing import Any
 import pytest
 
 _INJECT = os.environ.get("DLTUNE_INJECT") == "1"
+_CLASS = os.environ.get("DLTUNE_INJECT_CLASS", "lightning_dltune.DataLoaderTuner")
 _PID = os.getpid()
 # the process that started the run; a pytest re-launched by a test (Lightning's subprocess launcher) is not it
 _OWNER = os.environ.setdefault("DLTUNE_SUITE_OWNER", str(_PID)) == str(_PID)
@@ -46,11 +50,13 @@ def _is_owner() -> bool:
 
 
 def _patch_trainer() -> None:
+    import importlib
+
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_dltune import DataLoaderTuner
-
+    module, _, name = _CLASS.rpartition(".")
+    injected = getattr(importlib.import_module(module), name)
     original = pl.Trainer.__init__
     if getattr(original, "_dltune_injected", False):
         return
@@ -64,8 +70,8 @@ def _patch_trainer() -> None:
             callbacks = [callbacks]
         else:
             callbacks = list(callbacks)
-        if not any(isinstance(cb, DataLoaderTuner) for cb in callbacks):
-            callbacks.append(DataLoaderTuner())
+        if not any(isinstance(cb, injected) for cb in callbacks):
+            callbacks.append(injected())
             _injected[0] += 1
         kwargs["callbacks"] = callbacks
         original(self, *args, **kwargs)
@@ -77,7 +83,7 @@ def _patch_trainer() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if _INJECT:
         _patch_trainer()
-    mode = "with DataLoaderTuner() injected into every Trainer" if _INJECT else "without injection"
+    mode = f"with {_CLASS.rpartition('.')[2]}() injected into every Trainer" if _INJECT else "without injection"
     config.stash[_mode_key] = mode
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from lightning_dltune import DataLoaderTuner
 from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
@@ -357,3 +358,56 @@ def test_a_validation_loader_drawing_random_numbers_leaves_the_next_epochs_order
     b, val_b = run(tmp_path / "b", 12)
     assert val_a != val_b  # the validation loader ran on other configs...
     assert a == b  # ...and training drew one order
+
+
+class CountingLoader(DataLoader):
+    """A user's DataLoader subclass with state of its own: the iterators it made, the batches they served (without
+    workers: the batches are loaded in ``_next_data``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.iterators, self.served = 0, 0
+
+    def _get_iterator(self):
+        self.iterators += 1
+        if self.num_workers:
+            return super()._get_iterator()
+        return _Counted(self)
+
+
+class _Counted(_SingleProcessDataLoaderIter):
+    def _next_data(self):
+        data = super()._next_data()
+        self._counting.served += 1
+        return data
+
+    def __init__(self, loader):
+        super().__init__(loader)
+        self._counting = loader
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 4.0], ids=["stays", "switches"])
+def test_the_users_loader_object_trains_until_a_setting_changes(tmp_path, latency_ms):
+    """``trainer.train_dataloader`` is the loader passed to ``fit``, with its own iterators and state, until the tuner
+    changes a setting (in-memory samples: never; samples that wait on "storage": inside the first epoch, from the
+    batch that loader reached on, every sample once, in the untuned order)."""
+
+    def fit(callbacks, where):
+        pl.seed_everything(5)
+        loader = CountingLoader(SyntheticDataset(length=192, latency_ms=latency_ms), batch_size=8, shuffle=True)
+        seen = Indices()
+        trainer = make_trainer(tmp_path / where, [*callbacks, seen], max_epochs=2, logger=False)
+        trainer.fit(SimulatedModel(step_ms=2), train_dataloaders=loader)
+        return loader, trainer, seen.epochs
+
+    _, _, untuned = fit([], "untuned")
+    tuner = DataLoaderTuner()
+    loader, trainer, tuned = fit([tuner], "tuned")
+    assert tuned == untuned
+    if latency_ms == 0.0:
+        assert tuner.state.current.num_workers == 0 and trainer.train_dataloader is loader
+        assert loader.iterators == 2 and loader.served == 2 * 24  # each epoch its own iterator, every batch its own
+    else:
+        switch = tuner.trials[0].stats.steps  # the first window's steps ran on the user's loader
+        assert trainer.train_dataloader is not loader and trainer.train_dataloader.num_workers > 0
+        assert loader.iterators == 1 and switch <= loader.served < 24  # it served the first epoch until the switch

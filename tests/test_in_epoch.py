@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from lightning_dltune import DataLoaderTuner, DLTuneWarning
 from lightning_dltune.switching._lightning import recording
-from lightning_dltune.switching.switch import ResumableBatchSampler, is_worker_death
+from lightning_dltune.switching.switch import RecordedBatches, ResumableBatchSampler, is_worker_death
 from lightning_dltune.tools.synthetic import SimulatedModel, SyntheticDataModule, SyntheticDataset
 
 from helpers import live_children, make_trainer
@@ -78,7 +78,9 @@ def test_the_resumable_loader_stays_shuffled_for_lightnings_sampler_injection(tm
 
     class M(SimulatedModel):
         def train_dataloader(self):
-            return DataLoader(SyntheticDataset(64), 8, shuffle)
+            # a worker: the tuner runs its own batch sampler on such a loader (one without workers serves as the user
+            # built it until a setting changes: tests/test_citizen.py)
+            return DataLoader(SyntheticDataset(64), 8, shuffle, num_workers=1)
 
     tuner = DataLoaderTuner(max_trials=1)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=1, logger=False)
@@ -339,3 +341,25 @@ def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tm
     beside = [b + (a if b > a else 0) for a, b in pairwise(configs)]
     assert max(seen) <= max([configs[0], *beside, *(expected for _, expected in children.seen)]), (seen, configs)
     assert all(alive == expected for alive, expected in children.seen), children.seen
+
+
+@pytest.mark.parametrize("exhaust", [False, True])
+def test_the_users_batches_are_recorded_as_handed_out_and_give_the_whole_epochs_order(exhaust):
+    """What a switch from the user's own loader goes on from: the batches handed out, the rest of the epoch drawn from
+    the same iteration (and still handed out from there), an iteration cut at a batch, and, with ``exhaust``, the
+    sampler drawn past its end as a loader with workers draws it."""
+
+    def batches():
+        return BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(0)), 4, False)
+
+    expected, users = list(batches()), batches()
+    recorded = RecordedBatches(iter(users), len(users), exhaust)
+    assert [next(recorded), next(recorded)] == expected[:2] and recorded.next == 2
+    before = users.sampler.generator.get_state()
+    assert recorded.order() == [i for batch in expected for i in batch]
+    drew_past_the_end = not torch.equal(users.sampler.generator.get_state(), before)
+    assert drew_past_the_end is exhaust
+    assert recorded.order() == [i for batch in expected for i in batch]  # drawn once
+    assert next(recorded) == expected[2]
+    assert not recorded.cut(2) and recorded.cut(4)
+    assert list(recorded) == [expected[3]]  # nothing from the cut on

@@ -17,12 +17,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch._utils import ExceptionWrapper
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 from torch.utils.data._utils.worker import _worker_loop
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
-from lightning_dltune.switching.switch import apart_from_global, is_worker_death
+from lightning_dltune.switching.switch import RecordedBatches, apart_from_global, is_worker_death
 
 # (object path from the Trainer, attribute) pairs this module relies on; the test walks them.
 PRIVATE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -67,6 +67,7 @@ TORCH_PRIVATE: tuple[tuple[str, str], ...] = (
     ("_MultiProcessingDataLoaderIter", "_get_data"),
     ("_MultiProcessingDataLoaderIter", "_task_info"),
     ("_MultiProcessingDataLoaderIter", "_next_data"),
+    ("_BaseDataLoaderIter", "_sampler_iter"),
     ("torch.utils.data._utils.signal_handling", "_remove_worker_pids"),
 )
 # What a running single-process iterator fetches its batches with (`time_samples`): its attribute, and the fetcher's.
@@ -840,6 +841,21 @@ def shutdown_unless_owned(loader: DataLoader, iterator: Iterator[Any]) -> None:
     next ``iter()``."""
     if getattr(loader, "_iterator", None) is not iterator:
         shutdown_iterator(iterator)
+
+
+def record_batches(loader: DataLoader, iterator: Iterator[Any], exhaust: bool) -> RecordedBatches | None:
+    """Record the batches of indices ``iterator`` (a running iterator of the user's own ``loader``) is handed from
+    now on, in its ``_sampler_iter`` (``_next_index`` draws every batch from it, in ``__next__`` or, with workers,
+    as they are handed out), where ``loader`` batches with a plain ``BatchSampler`` and the iterator has drawn
+    nothing yet; ``None`` elsewhere. ``exhaust``: see :class:`RecordedBatches`."""
+    batches = getattr(iterator, "_sampler_iter", None)
+    if type(loader.batch_sampler) is not BatchSampler or batches is None or int(getattr(iterator, "_send_idx", 0)):
+        return None
+    if batches_yielded(iterator):
+        return None
+    recorded = RecordedBatches(batches, len(loader.batch_sampler), exhaust)
+    iterator._sampler_iter = recorded  # type: ignore[attr-defined]
+    return recorded
 
 
 def in_order(iterator: Iterator[Any]) -> bool:

@@ -38,6 +38,7 @@ from lightning_dltune.switching.seamless import Seamless, draws_from_global
 from lightning_dltune.switching.switch import (
     GuardedIterator,
     GuardHooks,
+    RecordedBatches,
     ResumableBatchSampler,
     ShardCheck,
     apart_from_global,
@@ -180,7 +181,12 @@ class LoaderSwitcher:
         self.mode, self.tune_iterable = mode, tune_iterable
         self._on_first_loader, self._on_failure = on_first_loader, on_failure
         self.trainer: pl.Trainer | None = None
-        self.resumable = False  # the train loader has a ResumableBatchSampler
+        # the train loader can switch inside its epoch: it has the tuner's ResumableBatchSampler, or it is the user's
+        # own loader, kept as it is until a setting changes (`_keeps_users`), whose batches are recorded as it runs
+        self.in_epoch = False
+        # the latest train loader request kept the user's loader as given (Lightning may still build it anew around
+        # the DistributedSampler it injects: a plain batch sampler too)
+        self._as_given = False
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
         self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
@@ -214,6 +220,7 @@ class LoaderSwitcher:
             overlap=self._overlapping,
             build=self.probe.build_loader,
             iterate=_lightning.iterate_growing,
+            record=self._record,
         )
         self.seamless = Seamless(
             seamless,
@@ -319,12 +326,13 @@ class LoaderSwitcher:
         loader = self._rebuilt(users, current, self._build_settings(users))
         if _round_undone(loader) and self._tuner_added_workers(loader):
             loader = self._first_round(users, current, loader)
-        self.resumable = isinstance(loader.batch_sampler, ResumableBatchSampler)
+        self._as_given = loader is users and self._keeps_users(users)
+        self.in_epoch = isinstance(loader.batch_sampler, ResumableBatchSampler) or self._as_given
         self._check_shards = isinstance(loader.dataset, IterableDataset) and self._tuner_added_workers(loader)
-        self._guard_needed = self.resumable or self._check_shards  # also where no epoch start follows (a resume)
+        self._guard_needed = self.in_epoch or self._check_shards  # also where no epoch start follows (a resume)
         self.seamless.attach(loader)
         self._startup.unserved = True
-        if self.resumable and self._restored.epoch is not None:
+        if isinstance(loader.batch_sampler, ResumableBatchSampler) and self._restored.epoch is not None:
             self._resume_epoch(loader.batch_sampler)
         self.state.current = LoaderSettings.from_loader(loader)
         self.probe.loader_built(self.state.current.num_workers)
@@ -397,7 +405,8 @@ class LoaderSwitcher:
         overrides: dict[str, Any] = {}
         if target is not None and target != current and self.state.switching:
             overrides.update(target.to_loader_kwargs())
-        overrides.update(self._resumable_overrides(loader))
+        if overrides or not self._keeps_users(loader):
+            overrides.update(self._resumable_overrides(loader))
         if not overrides:
             return loader
         try:
@@ -422,6 +431,33 @@ class LoaderSwitcher:
                 "the tuner's loaders.",
             )
         return loader
+
+    def _keeps_users(self, loader: DataLoader) -> bool:
+        """Whether the user's own ``loader``, on the settings the tuner would build, serves as it is, the object the
+        user returned, until a setting changes: where its iterator hands out batches only as the loop asks for them
+        (no workers), so that those it handed can be recorded (``switch.RecordedBatches``) and a switch inside the
+        epoch goes on from them; over a map-style dataset with a plain ``BatchSampler``; with no checkpoint's epoch
+        to resume (that needs the tuner's batch sampler) and ``seamless_epochs`` not ``True`` (it draws every order
+        itself, workers or not). Not where the tuner does not switch inside epochs (``mode="epoch"``, or not
+        switching at all), nor where the user's first loader had workers (a loader without them, built later on the
+        tuner's settings, would then draw its orders as the user's does not: see ``ResumableBatchSampler``'s
+        ``exhaust``)."""
+        start = self.state.start
+        return (
+            self.mode != "epoch"
+            and self.state.switching
+            and loader.num_workers == 0
+            and (start is None or start.num_workers == 0)
+            and type(loader.batch_sampler) is BatchSampler
+            and not isinstance(loader.dataset, IterableDataset)
+            and self._restored.epoch is None
+            and self._restored.position is None
+            and self.seamless.setting is not True
+        )
+
+    def _record(self, loader: DataLoader, inner: Iterator[Any]) -> RecordedBatches | None:
+        """The batches the iterator ``inner`` of the user's own loader is handed, recorded (:meth:`_keeps_users`)."""
+        return _lightning.record_batches(loader, inner, exhaust=False) if self._as_given else None
 
     def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
         """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""
@@ -555,7 +591,7 @@ class LoaderSwitcher:
     def waiting_for_epoch_end(self) -> bool:
         """A new config is decided for a loader that cannot switch inside the epoch: nothing to decide until then."""
         target = self.state.target
-        return not self.resumable and target is not None and target != self.state.current
+        return not self.in_epoch and target is not None and target != self.state.current
 
     def _as_untuned(self, loader: DataLoader) -> _Untuned:
         """What a run without the tuner does with the user's ``loader`` (just returned by the user's hook) in the
@@ -591,7 +627,7 @@ class LoaderSwitcher:
         self._keep_rng_as_untuned()
         if self.state.tuner_changed_workers() and self.trainer is not None:  # the user's own config: as PyTorch does
             _lightning.keep_start_errors(self.trainer.train_dataloader)
-        self._guard_needed = self.resumable or self._check_shards
+        self._guard_needed = self.in_epoch or self._check_shards
         self._stop_timing()  # timed for the fetch that ended the last epoch: no step's
         self._startup.spoiled = False
 
@@ -672,10 +708,13 @@ class LoaderSwitcher:
                 taken = _lightning.batches_yielded(inner)
                 return ShardCheck(loader, inner, self._not_sharded, taken, loader.num_workers)
         resumable = isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
-        if isinstance(inner, GuardedIterator) or not resumable:
+        if isinstance(inner, GuardedIterator) or not (resumable or self._as_given):
             return inner
-        self._guarded = GuardedIterator(loader, inner, self._guard_hooks)
-        return self._guarded
+        guard = GuardedIterator(loader, inner, self._guard_hooks)
+        if not resumable and guard.recorded is None:  # its iterator drew before the guard: it switches at epoch end
+            return inner
+        self._guarded = guard
+        return guard
 
     def _overlapping(self, new: DataLoader | None) -> None:
         self._startup.growing = False  # a new loader's overlap (or its end) takes over the timer's overlap
@@ -690,9 +729,19 @@ class LoaderSwitcher:
         return None if settings is None else self._build(loader, settings)
 
     def _build(self, loader: DataLoader, settings: LoaderSettings) -> DataLoader:
-        """``loader`` rebuilt with ``settings``; it serves once the guard adopts it (see :meth:`_adopt`)."""
+        """``loader`` rebuilt with ``settings``; it serves once the guard adopts it (see :meth:`_adopt`). From the
+        user's own loader (a plain batch sampler), the new one gets the tuner's, holding the epoch's order as that
+        loader drew it (``GuardedIterator.epoch_order``)."""
+        overrides = settings.to_loader_kwargs()
+        guard = self._guarded
+        order = None
+        if not isinstance(loader.batch_sampler, ResumableBatchSampler) and guard is not None and guard.loader is loader:
+            order = guard.epoch_order()
+            overrides.update(self._resumable_overrides(loader))
         with _lightning.recording():
-            new = self._said_why(_lightning.rebuild_dataloader(loader, settings.to_loader_kwargs(), quiet=True))
+            new = self._said_why(_lightning.rebuild_dataloader(loader, overrides, quiet=True))
+        if order is not None and isinstance(new.batch_sampler, ResumableBatchSampler):
+            new.batch_sampler.resume_order(order, 0)  # the guard resumes it at its hand-over batch
         self.seamless.attach(new)
         return self._mark_built(new)
 
@@ -899,7 +948,7 @@ class LoaderSwitcher:
         the epoch's order, unless the sampler derives it from seed and epoch (a DistributedSampler: each rank then
         rebuilds its own shard, where rank 0's order would be wrong)."""
         state = self._loader_state()
-        if self.trainer is None or not self.resumable:
+        if self.trainer is None or not self.in_epoch:
             return state
         guard = _lightning.train_iterator(self.trainer)
         if not isinstance(guard, GuardedIterator):
@@ -909,7 +958,7 @@ class LoaderSwitcher:
             return state
         state.update(epoch_batch=guard.position, epoch_index=self.trainer.current_epoch)
         if not hasattr(sampler.sampler, "set_epoch"):
-            state["epoch_order"] = sampler.epoch_order
+            state["epoch_order"] = guard.epoch_order()
         return state
 
     def _loader_state(self) -> dict[str, Any]:

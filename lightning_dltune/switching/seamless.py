@@ -205,8 +205,8 @@ class Seamless:
         """The train epoch ended on ``guard`` (the loop's iterator): carry its inner iterator into the next epoch
         when ``go_on`` (no reload, no switch pending, not the last epoch) and the epoch ran to its end; else drop
         what was drawn ahead."""
-        if not isinstance(guard, GuardedIterator):
-            return
+        if not isinstance(guard, GuardedIterator) or not isinstance(guard.loader.batch_sampler, ResumableBatchSampler):
+            return  # (the user's own loader, as the user built it: nothing drawn ahead)
         # an iterator switched to 0 workers late in the epoch may have drawn ahead before: dropped below as well
         sampler = guard.loader.batch_sampler
         if go_on and sampler.seamless and guard.position >= len(sampler) and guard.loader.num_workers > 0:

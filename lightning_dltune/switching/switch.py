@@ -231,6 +231,57 @@ class ResumableBatchSampler(BatchSampler):
         return [] if self._order is None else self._order.tolist()
 
 
+class RecordedBatches(Iterator[list[int]]):
+    """The batches a user's own loader (a plain ``BatchSampler``) hands its running iterator, recorded, so that a
+    switch inside the epoch can go on from them: :meth:`order` gives the epoch's whole order (what was handed, and
+    the rest drawn then, from the same iteration, as that loader would have drawn it), :meth:`cut` ends the
+    iteration early, as :meth:`ResumableBatchSampler.cut` does.
+
+    Args:
+        batches: the running iteration of the batch sampler (the iterator's own, see
+            ``_lightning.record_batches``).
+        length: the epoch's batches (``len`` of the batch sampler).
+        exhaust: whether that loader's iteration goes on to the sampler's end (it has workers, whose prefetch asks
+            past the last batch: see :class:`ResumableBatchSampler`'s ``exhaust``).
+    """
+
+    def __init__(self, batches: Iterator[list[int]], length: int, exhaust: bool = False) -> None:
+        self._batches, self.length, self.exhaust = batches, length, exhaust
+        self.handed: list[list[int]] = []
+        self._ahead: list[list[int]] = []  # drawn for `order`, not handed yet
+        self._drained = False
+        self.stop: int | None = None
+
+    def __next__(self) -> list[int]:
+        if self.stop is not None and len(self.handed) >= self.stop:
+            raise StopIteration
+        batch = self._ahead.pop(0) if self._ahead else next(self._batches)
+        self.handed.append(batch)
+        return batch
+
+    @property
+    def next(self) -> int:
+        """The batch of the epoch handed out next (everything before it is in flight or delivered)."""
+        return len(self.handed)
+
+    def cut(self, at: int) -> bool:
+        """Hand out nothing from batch ``at`` on; False when batch ``at`` was handed out already."""
+        if len(self.handed) > at or not 0 <= at <= self.length:
+            return False
+        self.stop = at
+        return True
+
+    def order(self) -> list[int]:
+        """Every sample index of the epoch, in order: the batches handed out, then the rest of the epoch, drawn now
+        from the same iteration (and kept, to be handed out from here too)."""
+        if not self._drained:
+            self._drained = True
+            self._ahead.extend(islice(self._batches, max(0, self.length - len(self.handed) - len(self._ahead))))
+            if self.exhaust:
+                next(self._batches, None)
+        return [i for batch in (*self.handed, *self._ahead) for i in batch]
+
+
 def is_worker_death(error: BaseException, worker_dead: bool = False) -> bool:
     """True for PyTorch's "a worker process died" errors (killed by a signal, OOM, bus error), and for the
     broken-pipe errors a dead worker leaves behind when it dies holding a batch's shared memory
@@ -277,6 +328,8 @@ class GuardHooks:
             it; the probe times it there, on the timer's clock.
         iterate: ``iterate(loader)`` is the new iterator ``create()`` makes (``iter``, or one whose workers start
             one by one, each loading as soon as it has started).
+        record: ``record(loader, inner) -> RecordedBatches | None``: where ``loader`` is the user's own (its batch
+            sampler a plain ``BatchSampler``), the batches its iterator ``inner`` is handed, recorded from here on.
     """
 
     replace: Callable[[Any], Any] = lambda loader: None
@@ -290,6 +343,7 @@ class GuardHooks:
     overlap: Callable[[Any | None], None] = lambda new: None
     build: Callable[[Callable[[], Iterator[Any]]], Iterator[Any]] = lambda create: create()
     iterate: Callable[[Any], Iterator[Any]] = iter
+    record: Callable[[Any, Iterator[Any]], RecordedBatches | None] = lambda loader, inner: None
 
 
 class GuardedIterator(Iterator[Any]):
@@ -302,8 +356,12 @@ class GuardedIterator(Iterator[Any]):
     new iterator, started at ``h``, serves the rest. Either way every batch of the epoch is delivered once, in
     order.
 
+    The loader it starts on is the tuner's (its batch sampler a :class:`ResumableBatchSampler`), or the user's own,
+    left as the user built it until a setting changes: its iterator's batches are then recorded
+    (:class:`RecordedBatches`), and a replacement is handed their order (:meth:`epoch_order`).
+
     Args:
-        loader: the current ``DataLoader`` (its batch sampler is a :class:`ResumableBatchSampler`).
+        loader: the current ``DataLoader``.
         inner: the iterator of ``loader`` the loop was using.
         hooks: what it asks its owner (:class:`GuardHooks`).
     """
@@ -316,11 +374,18 @@ class GuardedIterator(Iterator[Any]):
         self.hooks = hooks
         self.next: tuple[Any, Iterator[Any], int] | None = None  # (loader, its iterator, hand-over batch)
         self.handed_over = 0  # background starts that took over
+        self.recorded = None if isinstance(loader.batch_sampler, ResumableBatchSampler) else hooks.record(loader, inner)
         hooks.prepare(inner)
+
+    def epoch_order(self) -> list[int]:
+        """Every sample index of the running epoch, in order (the user's own loader's: drawn to its end now)."""
+        if self.recorded is not None:
+            return self.recorded.order()
+        return list(self.loader.batch_sampler.epoch_order)
 
     def __next__(self) -> Any:
         sampler = self.loader.batch_sampler
-        if sampler.seamless and self.position >= len(sampler):  # the inner one goes on into the next epoch
+        if getattr(sampler, "seamless", False) and self.position >= len(sampler):  # it goes on into the next epoch
             raise StopIteration
         if self.next is not None and self.position >= self.next[2]:
             self._hand_over()
@@ -349,15 +414,18 @@ class GuardedIterator(Iterator[Any]):
         """Start ``new`` in the background, when ``ahead`` allows it and the old iteration can be cut ahead."""
         plan = self.hooks.ahead(new)
         sampler = self.loader.batch_sampler
-        if plan is None or self.next is not None or new.batch_sampler is not sampler:
+        recorded = self.recorded  # None: the tuner's batch sampler, shared by the old loader and the new
+        if plan is None or self.next is not None or (recorded is None and new.batch_sampler is not sampler):
             return False
         lead, end = plan
-        live = sampler.live
+        handed = sampler.live.next if recorded is None else recorded.next
         # `lead` batches from the loop's position, and never before what the old workers were handed already
-        at = min(max(live.next, self.position + lead), end - 1, len(sampler) - 1)
-        if at <= self.position or not sampler.cut(live, at):
+        at = min(max(handed, self.position + lead), end - 1, len(sampler) - 1)
+        if at <= self.position:
             return False
-        sampler.resume_at(at)
+        if not (sampler.cut(sampler.live, at) if recorded is None else recorded.cut(at)):
+            return False
+        new.batch_sampler.resume_at(at)
         inner = self._start(new)
         self.next = (new, inner, at)
         self.hooks.overlap(new)
@@ -369,7 +437,7 @@ class GuardedIterator(Iterator[Any]):
         self.next = None
         self.hooks.close(self.inner)
         self.hooks.adopt(self.loader, new)
-        self.loader, self.inner = new, inner
+        self.loader, self.inner, self.recorded = new, inner, None
         self.handed_over += 1
 
     def abandon(self) -> Any:
@@ -393,7 +461,7 @@ class GuardedIterator(Iterator[Any]):
         self.hooks.close(self.inner)
         inner = self._start(new)  # adopted as it started (a worker that could not start is not counted)
         self.hooks.adopt(self.loader, new)
-        self.loader, self.inner = new, inner
+        self.loader, self.inner, self.recorded = new, inner, None
 
     def _start(self, new: Any) -> Iterator[Any]:
         # a new iterator draws its workers' base seed from the loader's generator, or without one from the global
