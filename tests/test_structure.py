@@ -170,3 +170,23 @@ def test_importing_the_tuning_core_loads_neither_torch_nor_lightning():
             todo += graph[module]
     external = {n.split(".")[0] for m in seen for n, top in _imports(modules[m]) if top}
     assert not external & {"torch", "lightning", "pytorch_lightning", "psutil", "numpy"}, sorted(seen)
+
+
+def test_the_package_exports_what_a_user_meets_and_nothing_behind_it():
+    """``lightning_dltune`` exports the callback, the mixin, the warning category and the types of the tuner's results:
+    each is named in the README or the callback's docstring, where a user meets it."""
+    import lightning_dltune
+
+    public = set(lightning_dltune.__all__) - {"__version__"}
+    assert public == {
+        "DataLoaderTuner",
+        "TunableDataModuleMixin",
+        "DLTuneWarning",
+        "Trial",
+        "LoaderSettings",
+        "WindowStats",
+        "Phase",
+    }
+    said = (Path(lightning_dltune.__file__).parent.parent / "README.md").read_text() + (callback.__doc__ or "")
+    said += callback.DataLoaderTuner.__doc__ or ""
+    assert all(name in said for name in public), [name for name in public if name not in said]
