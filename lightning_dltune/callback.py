@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -68,9 +68,12 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
             worker's unique memory (USS) is measured, and a config predicted to exceed this is never tried.
         min_steps: steady-state steps a trial needs before it is judged (short epochs are pooled).
         observe_only: measure, log and report, but never rebuild the loader.
-        tune_iterable: also retune an ``IterableDataset``'s loader (at epoch boundaries). Only for datasets
-            that shard themselves with ``torch.utils.data.get_worker_info()``: otherwise every worker yields
-            the whole dataset and more workers repeat samples. Off by default: such loaders are measured only.
+        tune_iterable: retune an ``IterableDataset``'s train loader too (at epoch boundaries). Only a dataset that
+            shards itself by worker (``torch.utils.data.get_worker_info()``) may have more workers: otherwise every
+            worker yields all of it. ``"auto"``: where that is checked before a config with more workers serves a
+            batch (its first two workers must load different batches; the loader iterates as PyTorch's own does),
+            measured only elsewhere (a loader that keeps its own state: a StatefulDataLoader, litdata's) and in the
+            evaluation loops. ``True``: every such loader, checked on its first batches. ``False``: measured only.
         mode: when to switch configs. ``"epoch"``: at epoch boundaries. ``"in_epoch"``: every
             ``window_steps`` steps, inside the epoch, continuing from exactly the batch the loop reached.
             ``"auto"``: in-epoch for long epochs (at least ``8 * window_steps`` batches, or a first window
@@ -189,7 +192,7 @@ class DataLoaderTuner(RebuiltWhenCopied, EvalLoopHooks, Callback):
         max_memory: float | None = None,
         min_steps: int = 8,
         observe_only: bool = False,
-        tune_iterable: bool = False,
+        tune_iterable: bool | Literal["auto"] = "auto",
         mode: Mode = "auto",
         window_steps: int = 20,
         log_gpu: bool = True,

@@ -227,7 +227,12 @@ def check_tuner_arguments(
         check_float(max_memory, "max_memory", allowed, ok, fix)
     check_int(min_steps, "min_steps", 1)
     check_bool(observe_only, "observe_only", "Use True to measure and report without rebuilding the loader.")
-    check_bool(tune_iterable, "tune_iterable", "Use True only for an IterableDataset that shards itself.")
+    if not (isinstance(tune_iterable, bool) or tune_iterable == "auto"):
+        raise TypeError(
+            f"`tune_iterable` must be True, False or 'auto', got {tune_iterable!r}. Use 'auto' to retune an "
+            "IterableDataset's loader where its sharding by worker can be checked, True only for one that shards "
+            "itself."
+        )
     check_choice(mode, "mode", MODES, "Use 'auto' to switch inside long epochs only.")
     check_int(window_steps, "window_steps", 2, "The default is 20.")
     check_bool(log_gpu, "log_gpu", "Use False to skip NVML sampling.")

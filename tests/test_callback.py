@@ -1,5 +1,6 @@
 import json
 import statistics
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -142,9 +143,42 @@ def test_observe_only_measures_but_never_rebuilds(tmp_path):
 
 
 class Stream(IterableDataset):
+    """Draws its samples at random and does not shard: every worker would yield 64 more."""
+
+    def __init__(self, latency_ms=0.0):
+        self.latency_ms = latency_ms
+
     def __iter__(self):
         for i in range(64):
+            time.sleep(self.latency_ms / 1e3)
             yield torch.randn(32), torch.tensor(i % 4)
+
+
+def test_by_default_a_random_stream_that_does_not_shard_is_caught_before_its_epoch_grows(tmp_path):
+    """The first round's workers start from one seed: a stream drawn at random yields the same first batch in two of
+    them, so the tuner goes back to 0 workers before a batch of more is served, and every epoch stays 8 batches."""
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(Stream(latency_ms=2.0), batch_size=8)
+
+        def on_train_epoch_start(self):
+            self.batches = 0
+
+        def training_step(self, batch, batch_idx):
+            self.batches += 1
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self):
+            self.epochs = [*getattr(self, "epochs", []), self.batches]
+
+    model, tuner = M(step_ms=1), DataLoaderTuner(min_steps=2)  # min_steps=2: a trial per 8-batch epoch
+    with pytest.warns(DLTuneWarning, match=r"does not shard itself: with workers=\d+ .*Went back to workers=0"):
+        make_trainer(tmp_path, [tuner], max_epochs=3, logger=False).fit(model)
+    assert model.epochs == [8, 8, 8]
+    assert (
+        any(t.failed and "does not shard" in t.failed for t in tuner.trials) and tuner.best_settings["num_workers"] == 0
+    )
 
 
 def test_iterable_dataset_is_measured_not_retuned(tmp_path):
@@ -153,14 +187,17 @@ def test_iterable_dataset_is_measured_not_retuned(tmp_path):
             return DataLoader(Stream(), batch_size=8)
 
     # min_steps=2: a trial per 8-batch epoch (the default 8 steady steps would pool both epochs into one window);
-    # the default's pooling is tested in tests/test_state.py
-    tuner = DataLoaderTuner(min_steps=2)
+    # the default's pooling is tested in tests/test_state.py. tune_iterable=False: measured only (the default checks
+    # the sharding and tunes: the test above, and tests/test_safety.py)
+    tuner = DataLoaderTuner(min_steps=2, tune_iterable=False)
     trainer = make_trainer(tmp_path, [tuner], max_epochs=2, logger=False)
-    with pytest.warns(DLTuneWarning, match="IterableDataset.*get_worker_info"):
+    with pytest.warns(DLTuneWarning, match="IterableDataset.*tune_iterable=False"):
         trainer.fit(M(step_ms=1))
     assert trainer.train_dataloader.num_workers == 0
     assert tuner.phase == "disabled" and len(tuner.trials) == 2
-    again = make_trainer(tmp_path / "again", [DataLoaderTuner(min_steps=2)], max_epochs=1, logger=False)
+    again = make_trainer(
+        tmp_path / "again", [DataLoaderTuner(min_steps=2, tune_iterable=False)], max_epochs=1, logger=False
+    )
     with pytest.warns(DLTuneWarning, match="IterableDataset"):  # a second fit in the same process is told again
         again.fit(M(step_ms=1))
 
@@ -189,7 +226,7 @@ def test_validate_stage_is_left_alone(tmp_path):
         ({"min_steps": 0}, ValueError, r"`min_steps` must be an int >= 1"),
         ({"plot": "yes"}, TypeError, r"`plot` must be True or False, got 'yes'. Use False to skip the PNG"),
         ({"observe_only": "no"}, TypeError, r"`observe_only` must be True or False, got 'no'"),
-        ({"tune_iterable": "no"}, TypeError, r"`tune_iterable` must be True or False, got 'no'"),
+        ({"tune_iterable": "no"}, TypeError, r"`tune_iterable` must be True, False or 'auto', got 'no'"),
         ({"log_gpu": 1}, TypeError, r"`log_gpu` must be True or False, got 1"),
         ({"verbose": None}, TypeError, r"`verbose` must be True or False, got None"),
         ({"max_memory": float("inf")}, ValueError, r"`max_memory` must be a fraction in \(0, 1\], or a finite number"),

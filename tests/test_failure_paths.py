@@ -174,13 +174,17 @@ def test_the_shard_check_compares_two_workers_batches_of_the_same_rank(workers, 
             assert repeats == [taken] and len(served) == taken
 
 
-def test_an_iterable_dataset_that_does_not_shard_is_caught_before_a_sample_repeats(tmp_path):
+@pytest.mark.parametrize("given", [{}, {"tune_iterable": True}], ids=["default", "True"])
+def test_an_iterable_dataset_that_does_not_shard_is_caught_before_a_sample_repeats(tmp_path, given):
+    """By default, and on the user's word that it shards (``True``): the first round of a config with more workers
+    finds two workers' first batches the same, before any of them is served."""
+
     class M(SimulatedModel):
         def train_dataloader(self):
             return DataLoader(Unsharded(), batch_size=8)
 
     seen = Indices()
-    tuner = DataLoaderTuner(tune_iterable=True)  # the user's word that it shards: the tuner checks it
+    tuner = DataLoaderTuner(**given)
     trainer = make_trainer(tmp_path, [tuner, seen], max_epochs=4, logger=False)
     with pytest.warns(DLTuneWarning, match=r"does not shard itself: with workers=\d+ .*Went back to workers=0"):
         trainer.fit(M(step_ms=1, features=8))

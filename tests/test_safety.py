@@ -121,21 +121,39 @@ class Sharded(IterableDataset):
             yield torch.full((8,), float(i)), torch.tensor(i % 4), i
 
 
-@pytest.mark.parametrize("opt_in", [False, True])
-def test_iterable_datasets_are_retuned_only_on_request(tmp_path, opt_in):
+@pytest.mark.parametrize("tune_iterable", [None, True, False], ids=["default", "True", "False"])
+def test_iterable_datasets_are_retuned_where_their_sharding_is_checked(tmp_path, tune_iterable):
     class M(SimulatedModel):
         def train_dataloader(self):
             return DataLoader(Sharded(), batch_size=8)
 
-    tuner, seen = DataLoaderTuner(tune_iterable=opt_in, min_steps=4), Indices()
+    given = {} if tune_iterable is None else {"tune_iterable": tune_iterable}
+    tuner, seen = DataLoaderTuner(min_steps=4, **given), Indices()
     trainer = make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False)
-    if opt_in:
-        trainer.fit(M(step_ms=1, features=8))
-    else:
-        with pytest.warns(DLTuneWarning, match=r"tune_iterable=True"):
+    if tune_iterable is False:
+        with pytest.warns(DLTuneWarning, match=r"`tune_iterable=False`: the tuner only measures it"):
             trainer.fit(M(step_ms=1, features=8))
         assert {t.settings.num_workers for t in tuner.trials} == {0}
+    else:
+        trainer.fit(M(step_ms=1, features=8))
+        assert tuner.phase.value != "disabled"
     assert all(sorted(e) == list(range(96)) for e in seen.epochs)  # a sharding dataset never repeats
+
+
+def test_by_default_an_iterable_loader_that_keeps_its_own_state_is_only_measured(tmp_path):
+    """Its sharding cannot be checked before more workers serve a batch: the loop would count the checked batches as
+    served (``tune_iterable=True`` opts in: ``test_loader_libraries.py``'s litdata run)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return StatefulDataLoader(Sharded(), batch_size=8)
+
+    tuner, seen = DataLoaderTuner(min_steps=4), Indices()
+    with pytest.warns(DLTuneWarning, match=r"keeps its own state of what it served"):
+        make_trainer(tmp_path, [tuner, seen], max_epochs=2, logger=False).fit(M(step_ms=1, features=8))
+    assert {t.settings.num_workers for t in tuner.trials} == {0} and tuner.phase.value == "disabled"
+    assert all(sorted(e) == list(range(96)) for e in seen.epochs)
 
 
 def collate_with_flag(batch):

@@ -158,7 +158,8 @@ class EvalTuner:
         name: ``"val"``, ``"test"`` or ``"predict"``.
         policy: the decision's knobs (the train loader's).
         observe_only: measure and report, never rebuild.
-        tune_iterable: also rebuild an ``IterableDataset``'s loader (one that shards itself).
+        tune_iterable: also rebuild an ``IterableDataset``'s loader (one that shards itself): only ``True``
+            (``"auto"`` checks the sharding of a train loader only).
         cache: the tuner's ``cache`` argument: the loop's settled settings are remembered under its own key.
         limits: the tuner arguments that bound the search (part of the cache's key).
         window_steps: steady steps after which a window inside a pass is judged (sooner where
@@ -170,7 +171,7 @@ class EvalTuner:
         name: str,
         policy: Policy,
         observe_only: bool = False,
-        tune_iterable: bool = False,
+        tune_iterable: bool | str = "auto",
         cache: Any = False,
         limits: dict[str, Any] | None = None,
         window_steps: int = 20,
@@ -293,8 +294,8 @@ class EvalTuner:
             return requested
         (current,) = settings
         self._start_from_cache(current, loaders)
-        if any(isinstance(loader.dataset, IterableDataset) for loader in loaders) and not self.tune_iterable:
-            self._measure_only("its dataset is an IterableDataset (see `tune_iterable`)")
+        if any(isinstance(loader.dataset, IterableDataset) for loader in loaders) and self.tune_iterable is not True:
+            self._measure_only("its dataset is an IterableDataset (see `tune_iterable`: True retunes it)")
         target = self.state.target if self.state.switching else None
         if target is not None and target != current:
             try:
@@ -718,7 +719,7 @@ class EvalLoaders:
         loops: Sequence[str],
         policy: Policy,
         observe_only: bool = False,
-        tune_iterable: bool = False,
+        tune_iterable: bool | str = "auto",
         cache: Any = False,
         limits: dict[str, Any] | None = None,
     ) -> None:

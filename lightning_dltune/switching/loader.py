@@ -43,6 +43,7 @@ from lightning_dltune.switching.switch import (
     ShardCheck,
     apart_from_global,
     error_summary,
+    same_batch,
 )
 from lightning_dltune.tuning.state import Phase, TuningState, batches_left
 
@@ -129,12 +130,36 @@ class _StartUp:
     growing: bool = False
 
 
-def _round_undone(loader: DataLoader) -> bool:
-    """Whether batches loaded from an ``IterableDataset``'s ``loader`` before its epoch begins are undone by the epoch's
-    ``iter()``: PyTorch's own iteration restarts every worker's stream, and a loader that keeps its own state of
-    what it yielded (a ``StatefulDataLoader``, litdata's ``StreamingDataLoader``) would count them as served."""
+def _iterates_as_pytorch(loader: DataLoader) -> bool:
+    """Whether an ``IterableDataset``'s ``loader`` iterates as PyTorch's own does, keeping no state of what it yielded:
+    a copy of it can then be iterated apart (the first round, see ``LoaderSwitcher._first_round``). A loader that
+    keeps such state (a ``StatefulDataLoader``, litdata's ``StreamingDataLoader``, which shares it with its dataset
+    object) or iterates in its own ``__iter__`` cannot."""
     own_state = callable(getattr(loader, "state_dict", None)) or type(loader).__iter__ is not DataLoader.__iter__
     return isinstance(loader.dataset, IterableDataset) and not own_state
+
+
+class _SameSeed:
+    """A ``worker_init_fn`` that seeds every worker's torch, Python and numpy random states alike (then calls the
+    loader's own): the first round's workers then draw the same random samples, unless the dataset shards by
+    worker. A class, so that it pickles to workers that are spawned."""
+
+    def __init__(self, then: Callable[[int], None] | None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        import random
+
+        torch.manual_seed(0)
+        random.seed(0)
+        try:
+            import numpy as np
+        except ImportError:  # numpy is not one of torch's requirements
+            pass
+        else:
+            np.random.seed(0)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def ranks_alike(loader: DataLoader) -> str | None:
@@ -160,7 +185,8 @@ class LoaderSwitcher:
         state: the tuning state (its ``target`` is what loaders are built with; ``start``/``current`` are told).
         probe: told about every loader build and in-fetch switch, and wired to the fetch hooks.
         mode: ``"epoch"`` keeps the loader's own batch sampler (no in-epoch switching).
-        tune_iterable: retune an ``IterableDataset``'s loader too.
+        tune_iterable: retune an ``IterableDataset``'s loader: ``"auto"`` where its sharding can be checked first
+            (see :meth:`_tunes_iterable`), ``True`` always, ``False`` never.
         on_first_loader: called with the user's first loader (the cache lookup).
         on_failure: ``(what failed, why) -> fallback settings | None`` when a worker died or a config the tuner
             chose could not start.
@@ -172,7 +198,7 @@ class LoaderSwitcher:
         state: TuningState,
         probe: Probe,
         mode: str = "auto",
-        tune_iterable: bool = False,
+        tune_iterable: bool | str = "auto",
         on_first_loader: Callable[[DataLoader], None] = lambda loader: None,
         on_failure: OnFailure = lambda kind, why: None,
         seamless: bool | str = "auto",
@@ -312,19 +338,14 @@ class LoaderSwitcher:
             _lightning.shutdown_workers(kept)
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
-        if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self.tune_iterable:
-            self._disable(
-                "iterable",
-                "the train dataset is an IterableDataset: changing `num_workers` would repeat samples unless it "
-                "shards itself with `get_worker_info()`, so the tuner only measures it. If yours does, opt in "
-                "with `DataLoaderTuner(tune_iterable=True)`",
-            )
+        if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self._tunes_iterable(loader):
+            self._disable("iterable", self._iterable_left_alone())
         self._random.before_build = _random_states(loader)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
         users = loader
         loader = self._rebuilt(users, current, self._build_settings(users))
-        if _round_undone(loader) and self._tuner_added_workers(loader):
+        if _iterates_as_pytorch(loader) and self._tuner_added_workers(loader):
             loader = self._first_round(users, current, loader)
         self._as_given = loader is users and self._keeps_users(users)
         self.in_epoch = isinstance(loader.batch_sampler, ResumableBatchSampler) or self._as_given
@@ -338,27 +359,81 @@ class LoaderSwitcher:
         self.probe.loader_built(self.state.current.num_workers)
         return loader
 
+    def _tunes_iterable(self, loader: DataLoader) -> bool:
+        """Whether the loader of an ``IterableDataset`` is retuned: ``tune_iterable=True``, or ``"auto"`` where its
+        sharding by worker is checked before a batch of a config with more workers is served (:meth:`_first_round`:
+        PyTorch's own iteration, which undoes the round)."""
+        if self.tune_iterable == "auto":
+            return _iterates_as_pytorch(loader)
+        return bool(self.tune_iterable)
+
+    def _iterable_left_alone(self) -> str:
+        if self.tune_iterable == "auto":
+            return (
+                "the train dataset is an IterableDataset whose loader keeps its own state of what it served (a "
+                "StatefulDataLoader, litdata's, or its own `__iter__`), so the tuner cannot check that more workers "
+                "shard it before they serve a batch, and only measures it. If it shards itself with "
+                "`get_worker_info()`, opt in with `DataLoaderTuner(tune_iterable=True)`"
+            )
+        return (
+            "the train dataset is an IterableDataset and `tune_iterable=False`: the tuner only measures it. "
+            "To let it change `num_workers`, pass `tune_iterable='auto'` (its sharding is checked) or `True`"
+        )
+
     def _first_round(self, users: DataLoader, current: LoaderSettings, loader: DataLoader) -> DataLoader:
-        """An ``IterableDataset``'s ``loader`` with more workers than the user's (``users``, on ``current``): before it
-        serves a batch, one batch of each worker is loaded (PyTorch hands the workers their turns in order) and
-        dropped. A worker that raises there fails the config: a dataset sharded by worker with fewer shards than
-        workers (webdataset: "No samples found in dataset; perhaps you have fewer shards than workers"), or any error
-        the user's config did not meet. Then the loader returned is the fallback's, and nothing of the epoch was
-        served. Otherwise the round's iterator is the loader's persistent one, which Lightning's ``iter()`` resets:
-        its workers begin the epoch again (a loader without persistent workers has it stopped). Only where that undoes
-        the round (:func:`_round_undone`); elsewhere the first iteration's ``ShardCheck`` is the only check."""
-        iterator = apart_from_global(loader, lambda: iter(loader))
-        fed = 0
+        """Check an ``IterableDataset``'s ``loader``, with more workers than the user's (``users``, on ``current``),
+        before it serves a batch: a copy of it whose workers all start from one seed (:class:`_SameSeed`) loads one
+        batch of each worker (PyTorch hands the workers their turns in order), and is stopped. ``loader`` itself
+        starts its workers as it would have.
+
+        * A worker that raises fails the config: a dataset sharded by worker with fewer shards than workers
+          (webdataset: "No samples found in dataset; perhaps you have fewer shards than workers"), or any error the
+          user's config did not meet (:meth:`_round_failed`).
+        * Two workers whose first batches are the same (from one seed, a dataset that draws its samples at random
+          yields the same too) do not shard the dataset by worker: every config with more workers repeats samples,
+          or multiplies the epoch (:meth:`_round_repeated`).
+
+        Then the loader returned is the fallback's, and nothing of the epoch was served. Only for loaders that iterate
+        as PyTorch's own (:func:`_iterates_as_pytorch`); elsewhere the first iteration's ``ShardCheck`` is the only
+        check."""
         try:
-            for _ in islice(iterator, loader.num_workers):
-                fed += 1
+            probe = _lightning.rebuild_dataloader(
+                loader, {"persistent_workers": False, "worker_init_fn": _SameSeed(loader.worker_init_fn)}, quiet=True
+            )
+        except _lightning.NotRebuildableError:
+            return loader
+        iterator = apart_from_global(probe, lambda: iter(probe))
+        batches: list[Any] = []
+        try:
+            batches.extend(islice(iterator, probe.num_workers))
         except Exception as error:  # the config's: the user's loaded these batches (the fallback meets a data error)
+            return self._round_failed(users, current, loader, error, len(batches))
+        finally:
             _lightning.shutdown_iterator(iterator)
-            _lightning.shutdown_workers(loader)
-            return self._round_failed(users, current, loader, error, fed)
-        if getattr(loader, "_iterator", None) is not iterator:
-            _lightning.shutdown_iterator(iterator)
+        if len(batches) >= 2 and _lightning.in_order(iterator) and same_batch(batches[0], batches[1]):
+            return self._round_repeated(users, current, loader)
         return loader
+
+    def _round_repeated(self, users: DataLoader, current: LoaderSettings, loader: DataLoader) -> DataLoader:
+        """The first round of ``loader`` found its first two workers' batches the same: its ``IterableDataset`` does
+        not shard by worker (``get_worker_info()``), so every config of two workers or more repeats samples (or, drawing
+        them at random, multiplies the epoch). That
+        config failed, and the loader is built on the fallback (a config measured before, or the user's), before a
+        batch of it was served."""
+        tried = LoaderSettings.from_loader(loader)
+        self.state.current = tried
+        why = "the IterableDataset does not shard: two workers loaded the same first batch"
+        fallback = self._on_failure("repeated samples", why) or self.state.start or current
+        self.aim(fallback)
+        warn_once(
+            "not-sharded",
+            f"DataLoaderTuner: the train IterableDataset does not shard itself: with {tried.describe()} its first two "
+            f"workers loaded the same batch, so every worker would yield every sample. Went back to "
+            f"{fallback.describe()} before a batch of it was served (nothing trained twice). To let the tuner change "
+            "`num_workers`, "
+            "shard the dataset with `torch.utils.data.get_worker_info()`; otherwise pass `tune_iterable=False`.",
+        )
+        return self._rebuilt(users, current, fallback)
 
     def _round_failed(
         self, users: DataLoader, current: LoaderSettings, loader: DataLoader, error: BaseException, fed: int
