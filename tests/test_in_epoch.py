@@ -343,22 +343,20 @@ def test_an_in_epoch_switch_stops_the_old_workers_when_the_new_ones_take_over(tm
     assert all(alive == expected for alive, expected in children.seen), children.seen
 
 
-@pytest.mark.parametrize("exhaust", [False, True])
-def test_the_users_batches_are_recorded_as_handed_out_and_give_the_whole_epochs_order(exhaust):
+def test_the_users_batches_are_recorded_as_handed_out_and_give_the_whole_epochs_order():
     """What a switch from the user's own loader goes on from: the batches handed out, the rest of the epoch drawn from
-    the same iteration (and still handed out from there), an iteration cut at a batch, and, with ``exhaust``, the
-    sampler drawn past its end as a loader with workers draws it."""
+    the same iteration (and still handed out from there), up to its end and not past it (as a loader without workers
+    draws), and an iteration cut at a batch."""
 
     def batches():
         return BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(0)), 4, False)
 
     expected, users = list(batches()), batches()
-    recorded = RecordedBatches(iter(users), len(users), exhaust)
+    recorded = RecordedBatches(iter(users), len(users))
     assert [next(recorded), next(recorded)] == expected[:2] and recorded.next == 2
     before = users.sampler.generator.get_state()
     assert recorded.order() == [i for batch in expected for i in batch]
-    drew_past_the_end = not torch.equal(users.sampler.generator.get_state(), before)
-    assert drew_past_the_end is exhaust
+    assert torch.equal(users.sampler.generator.get_state(), before)  # not drawn past the epoch's end
     assert recorded.order() == [i for batch in expected for i in batch]  # drawn once
     assert next(recorded) == expected[2]
     assert not recorded.cut(2) and recorded.cut(4)

@@ -187,6 +187,8 @@ def test_a_checkpoint_an_earlier_release_wrote_mid_epoch_resumes_in_the_same_ord
     assert sorted(order) == list(range(480)) and state["epoch_batch"] == 25
     ckpt = tmp_path / path.name
     shutil.copy(path, ckpt)
+    # cache=False, as in every resume test here (see `fit`): the resumed fit goes on from the file, not from a cache
+    # entry an earlier test left (a resume with the default cache: tests/test_loader_libraries.py)
     tuner = DataLoaderTuner(cache=False)
     with pytest.warns(UserWarning, match="resuming from a checkpoint that ended before the epoch ended"):
         tail = indices_of(tmp_path / "c", tuner, latency_ms=5.0, ckpt_path=ckpt)

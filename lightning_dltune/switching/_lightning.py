@@ -843,17 +843,16 @@ def shutdown_unless_owned(loader: DataLoader, iterator: Iterator[Any]) -> None:
         shutdown_iterator(iterator)
 
 
-def record_batches(loader: DataLoader, iterator: Iterator[Any], exhaust: bool) -> RecordedBatches | None:
+def record_batches(loader: DataLoader, iterator: Iterator[Any]) -> RecordedBatches | None:
     """Record the batches of indices ``iterator`` (a running iterator of the user's own ``loader``) is handed from
     now on, in its ``_sampler_iter`` (``_next_index`` draws every batch from it, in ``__next__`` or, with workers,
     as they are handed out), where ``loader`` batches with a plain ``BatchSampler`` and the iterator has drawn
-    nothing yet; ``None`` elsewhere. ``exhaust``: see :class:`RecordedBatches`."""
+    nothing yet (a loader with workers has drawn its prefetch at ``iter()``); ``None`` elsewhere."""
     batches = getattr(iterator, "_sampler_iter", None)
-    if type(loader.batch_sampler) is not BatchSampler or batches is None or int(getattr(iterator, "_send_idx", 0)):
+    drawn = int(getattr(iterator, "_send_idx", 0)) or batches_yielded(iterator)
+    if type(loader.batch_sampler) is not BatchSampler or batches is None or drawn:
         return None
-    if batches_yielded(iterator):
-        return None
-    recorded = RecordedBatches(batches, len(loader.batch_sampler), exhaust)
+    recorded = RecordedBatches(batches, len(loader.batch_sampler))
     iterator._sampler_iter = recorded  # type: ignore[attr-defined]
     return recorded
 

@@ -532,7 +532,7 @@ class LoaderSwitcher:
 
     def _record(self, loader: DataLoader, inner: Iterator[Any]) -> RecordedBatches | None:
         """The batches the iterator ``inner`` of the user's own loader is handed, recorded (:meth:`_keeps_users`)."""
-        return _lightning.record_batches(loader, inner, exhaust=False) if self._as_given else None
+        return _lightning.record_batches(loader, inner) if self._as_given else None
 
     def _resumable_overrides(self, loader: DataLoader) -> dict[str, Any]:
         """Constructor arguments that give ``loader`` a ResumableBatchSampler ({} when not wanted/possible)."""

@@ -240,13 +240,12 @@ class RecordedBatches(Iterator[list[int]]):
     Args:
         batches: the running iteration of the batch sampler (the iterator's own, see
             ``_lightning.record_batches``).
-        length: the epoch's batches (``len`` of the batch sampler).
-        exhaust: whether that loader's iteration goes on to the sampler's end (it has workers, whose prefetch asks
-            past the last batch: see :class:`ResumableBatchSampler`'s ``exhaust``).
+        length: the epoch's batches (``len`` of the batch sampler). The rest is drawn up to it, not past it, as a
+            loader without workers draws (the only one recorded: see ``_lightning.record_batches``).
     """
 
-    def __init__(self, batches: Iterator[list[int]], length: int, exhaust: bool = False) -> None:
-        self._batches, self.length, self.exhaust = batches, length, exhaust
+    def __init__(self, batches: Iterator[list[int]], length: int) -> None:
+        self._batches, self.length = batches, length
         self.handed: list[list[int]] = []
         self._ahead: list[list[int]] = []  # drawn for `order`, not handed yet
         self._drained = False
@@ -277,8 +276,6 @@ class RecordedBatches(Iterator[list[int]]):
         if not self._drained:
             self._drained = True
             self._ahead.extend(islice(self._batches, max(0, self.length - len(self.handed) - len(self._ahead))))
-            if self.exhaust:
-                next(self._batches, None)
         return [i for batch in (*self.handed, *self._ahead) for i in batch]
 
 

@@ -21,7 +21,9 @@ if __name__ == "__main__":
     if target.exists():
         sys.exit(f"{target} exists: a committed checkpoint is never rewritten")
     with tempfile.TemporaryDirectory() as tmp:
-        # the cache off: the checkpoint must hold what this fit measured, not a start from an earlier run's entry
-        indices_of(Path(tmp), DataLoaderTuner(cache=False), latency_ms=5.0, every_n_steps=25, max_steps=25)
+        # cache=False: the checkpoint must hold what this fit measured, not a start from an earlier run's cache entry
+        # (a resume with the default cache: tests/test_loader_libraries.py)
+        tuner = DataLoaderTuner(cache=False)
+        indices_of(Path(tmp), tuner, latency_ms=5.0, every_n_steps=25, max_steps=25)
         shutil.copy(Path(tmp) / "ckpt" / "epoch=0-step=25.ckpt", target)
     print(target, target.stat().st_size, "bytes")
