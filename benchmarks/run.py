@@ -53,7 +53,7 @@ from lightning_dltune.tools.synthetic import (
     write_jpeg_folder,
 )
 
-from sections import write_results, write_section
+from sections import BENCHMARKS_MD, write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 
@@ -901,10 +901,10 @@ def main(argv: list[str] | None = None) -> int:
     table_md = markdown(results)
     print("\n" + table_md)
     if args.write_md:
-        text = (HERE.parent / "BENCHMARKS.md").read_text() if (HERE.parent / "BENCHMARKS.md").exists() else ""
+        text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else ""
         head = text.split("<!-- results -->")[0] if "<!-- results -->" in text else "# Benchmarks\n\n"
         body = f"<!-- results -->\n{environment(results, epochs)}\n\n" + table_md + "\n"
-        (HERE.parent / "BENCHMARKS.md").write_text(head + body)
+        BENCHMARKS_MD.write_text(head + body)
     return 0
 
 

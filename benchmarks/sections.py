@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+# `benchmarks/all.py --quick` writes a smoke run's file elsewhere
+BENCHMARKS_MD = Path(os.environ.get("DLTUNE_BENCHMARKS_MD") or Path(__file__).resolve().parent.parent / "BENCHMARKS.md")
 # a benchmark's Trainer writes and prints nothing of its own
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 

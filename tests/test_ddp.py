@@ -161,10 +161,12 @@ def test_a_mid_epoch_checkpoint_resumes_every_ranks_own_shard_exactly(tmp_path):
         assert epoch2 == expected_order(rank, 2, seed), f"rank {rank}: epoch 2 across the restart"
         assert after["by_epoch"]["3"] == expected_order(rank, 3, seed)
     # rank 1 loads at a sixth of rank 0's pace: tuning ended before the checkpoint with each rank on its own count,
-    # and the resumed run gave each rank its own back (from the checkpoint rank zero saved)
+    # and the resumed run gave each rank its own back (from the checkpoint rank zero saved). That the counts differ is
+    # test_two_processes_agree_without_hanging's: here, with 2 ranks and their workers on 2 CPUs, a trial's gain can
+    # read as noise and both ranks settle on one count, which the resume must give back just the same
     head0 = read(head)[0]
     counts = head0["rank_workers"]
-    assert head0["phase"] == "settled" and len(counts) == 2 and counts[0] < counts[1], head0["decisions"]
+    assert head0["phase"] == "settled" and len(counts) == 2 and counts[0] <= counts[1], head0["decisions"]
     for after in read(tail):
         assert after["rank_workers"] == counts and after["workers_per_epoch"][-1] == counts[after["rank"]]
 
