@@ -1,6 +1,7 @@
 import gc
 import json
 import threading
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -138,6 +139,40 @@ def test_iterable_datasets_are_retuned_where_their_sharding_is_checked(tmp_path,
         trainer.fit(M(step_ms=1, features=8))
         assert tuner.phase.value != "disabled"
     assert all(sorted(e) == list(range(96)) for e in seen.epochs)  # a sharding dataset never repeats
+
+
+class QueueFed(IterableDataset):
+    """Reads its samples from a queue it shares with whoever fills it (Lightning's test_double_iter_in_iterable_dataset,
+    from Lightning issue 19427): each one read is gone for every other reader."""
+
+    def __init__(self, queue, per_epoch):
+        self.queue, self.per_epoch = queue, per_epoch
+
+    def __iter__(self):
+        for _ in range(self.per_epoch):
+            i = self.queue.get(timeout=5)
+            time.sleep(0.002)  # a wait more workers would hide: the tuner would try them
+            yield torch.full((8,), float(i)), torch.tensor(i % 4), i
+
+
+def test_by_default_an_iterable_dataset_that_reads_from_a_queue_is_only_measured_and_loses_nothing(tmp_path):
+    """A check that more workers shard it would take samples from the queue: the dataset cannot be copied (it holds
+    the queue), so by default it is only measured, and every sample the queue held trains once."""
+    import multiprocessing
+
+    queue = multiprocessing.get_context().Queue()
+    for i in range(3 * 32):
+        queue.put(i)
+
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(QueueFed(queue, 32), batch_size=4)
+
+    tuner, seen = DataLoaderTuner(min_steps=4), Indices()
+    with pytest.warns(DLTuneWarning, match=r"IterableDataset that cannot be copied \(RuntimeError: Queue objects"):
+        make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False).fit(M(step_ms=1, features=8))
+    assert {t.settings.num_workers for t in tuner.trials} == {0} and tuner.phase.value == "disabled"
+    assert sorted(i for e in seen.epochs for i in e) == list(range(3 * 32))
 
 
 def test_by_default_an_iterable_loader_that_keeps_its_own_state_is_only_measured(tmp_path):

@@ -15,6 +15,7 @@ its target from there.
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -139,6 +140,17 @@ def _iterates_as_pytorch(loader: DataLoader) -> bool:
     return isinstance(loader.dataset, IterableDataset) and not own_state
 
 
+def _uncopied_because(dataset: Any) -> str | None:
+    """Why ``dataset`` cannot be deep-copied (``None``: it can). A dataset that reads from a queue, a connection or an
+    open file holds an object that refuses to be copied; one whose state is its own copies, and the copy iterates
+    without taking anything from the original (:meth:`LoaderSwitcher._first_round` iterates such a copy)."""
+    try:
+        copy.deepcopy(dataset)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 class _SameSeed:
     """A ``worker_init_fn`` that seeds every worker's torch, Python and numpy random states alike (then calls the
     loader's own): the first round's workers then draw the same random samples, unless the dataset shards by
@@ -213,6 +225,8 @@ class LoaderSwitcher:
         # the latest train loader request kept the user's loader as given (Lightning may still build it anew around
         # the DistributedSampler it injects: a plain batch sampler too)
         self._as_given = False
+        # the id of the latest dataset asked about, and why it cannot be copied (not the dataset: the tuner pickles)
+        self._copied: tuple[int, str | None] | None = None
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
         self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
@@ -339,7 +353,7 @@ class LoaderSwitcher:
         if self.state.loader_seen(current):
             self._on_first_loader(loader)
         if isinstance(loader.dataset, IterableDataset) and self.state.tuning and not self._tunes_iterable(loader):
-            self._disable("iterable", self._iterable_left_alone())
+            self._disable("iterable", self._iterable_left_alone(loader))
         self._random.before_build = _random_states(loader)
         if self._tuner_sets_workers() and current == self.state.target:  # built by a mixin with the tuner's count
             _lightning.quiet_worker_check(self._said_why(loader))
@@ -362,12 +376,27 @@ class LoaderSwitcher:
     def _tunes_iterable(self, loader: DataLoader) -> bool:
         """Whether the loader of an ``IterableDataset`` is retuned: ``tune_iterable=True``, or ``"auto"`` where its
         sharding by worker is checked before a batch of a config with more workers is served (:meth:`_first_round`:
-        PyTorch's own iteration, which undoes the round)."""
+        PyTorch's own iteration, which undoes the round, over a dataset that can be copied, so that the check takes
+        nothing from what the dataset reads)."""
         if self.tune_iterable == "auto":
-            return _iterates_as_pytorch(loader)
+            return _iterates_as_pytorch(loader) and self._uncopied_because(loader.dataset) is None
         return bool(self.tune_iterable)
 
-    def _iterable_left_alone(self) -> str:
+    def _uncopied_because(self, dataset: Any) -> str | None:
+        """:func:`_uncopied_because`, asked once per dataset object."""
+        if self._copied is None or self._copied[0] != id(dataset):
+            self._copied = (id(dataset), _uncopied_because(dataset))
+        return self._copied[1]
+
+    def _iterable_left_alone(self, loader: DataLoader) -> str:
+        why = self._uncopied_because(loader.dataset) if self.tune_iterable == "auto" else None
+        if why is not None:
+            return (
+                f"the train dataset is an IterableDataset that cannot be copied ({why}): it reads from something "
+                "outside itself (a queue, a connection, an open file), so a check that more workers shard it would "
+                "take samples from what it reads, and the tuner only measures it. If it shards itself with "
+                "`get_worker_info()`, opt in with `DataLoaderTuner(tune_iterable=True)`"
+            )
         if self.tune_iterable == "auto":
             return (
                 "the train dataset is an IterableDataset whose loader keeps its own state of what it served (a "
@@ -382,9 +411,9 @@ class LoaderSwitcher:
 
     def _first_round(self, users: DataLoader, current: LoaderSettings, loader: DataLoader) -> DataLoader:
         """Check an ``IterableDataset``'s ``loader``, with more workers than the user's (``users``, on ``current``),
-        before it serves a batch: a copy of it whose workers all start from one seed (:class:`_SameSeed`) loads one
-        batch of each worker (PyTorch hands the workers their turns in order), and is stopped. ``loader`` itself
-        starts its workers as it would have.
+        before it serves a batch: a copy of it, over a copy of its dataset, whose workers all start from one seed
+        (:class:`_SameSeed`) loads one batch of each worker (PyTorch hands the workers their turns in order), and is
+        stopped. ``loader`` itself starts its workers as it would have.
 
         * A worker that raises fails the config: a dataset sharded by worker with fewer shards than workers
           (webdataset: "No samples found in dataset; perhaps you have fewer shards than workers"), or any error the
@@ -396,9 +425,11 @@ class LoaderSwitcher:
         Then the loader returned is the fallback's, and nothing of the epoch was served. Only for loaders that iterate
         as PyTorch's own (:func:`_iterates_as_pytorch`); elsewhere the first iteration's ``ShardCheck`` is the only
         check."""
+        # the copy's workers iterate a copy of the dataset: what they take from it is the copy's own
+        apart = {"dataset": copy.deepcopy(loader.dataset), "persistent_workers": False}
         try:
             probe = _lightning.rebuild_dataloader(
-                loader, {"persistent_workers": False, "worker_init_fn": _SameSeed(loader.worker_init_fn)}, quiet=True
+                loader, {**apart, "worker_init_fn": _SameSeed(loader.worker_init_fn)}, quiet=True
             )
         except _lightning.NotRebuildableError:
             return loader
