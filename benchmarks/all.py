@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CHART = ROOT / "docs" / "images" / "benchmarks.png"
 # what this command writes: a work tree changed only there is still the commit it states
-OUTPUTS = ("BENCHMARKS.md", "benchmarks/results/", "docs/images/benchmarks.png")
+OUTPUTS = ("BENCHMARKS.md", "benchmarks/results/", "docs/images/benchmarks.png")  # and BENCHMARKS.md.draft
 
 SKELETON = """# Benchmarks
 
@@ -101,7 +101,11 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str]]]:
     ]
     if importlib.util.find_spec("torchvision") is not None:
         runs.append(("imagefolder", ["run.py", "--workloads", "imagefolder", "--workloads-only", *q, *o]))
-    runs.append(("workloads", ["run.py", *q, *o]))
+    sys.path.insert(0, str(HERE))
+    from run import WORKLOADS  # imagefolder (where torchvision is) runs alone, above
+
+    whole = ",".join(w for w in WORKLOADS if w != "imagefolder")
+    runs.append(("workloads", ["run.py", "--workloads", whole, *q, *o]))
     return runs
 
 
@@ -115,7 +119,8 @@ def run_all(quick: bool, out: Path, md: Path) -> dict[str, float]:
         done = subprocess.run([sys.executable, *command], cwd=HERE, env=env)
         minutes[name] = (time.perf_counter() - t0) / 60
         if done.returncode != 0:
-            raise SystemExit(f"benchmarks/all.py: {name} failed (exit {done.returncode}); BENCHMARKS.md is partial")
+            failed = f"benchmarks/all.py: {name} failed (exit {done.returncode})"
+            raise SystemExit(f"{failed}; {md} holds the sections before it, BENCHMARKS.md is as it was")
     return minutes
 
 
@@ -282,8 +287,9 @@ def write(md: Path, out: Path, quick: bool, run: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--render", action="store_true", help="rewrite the headline, chart and header; run nothing")
-    parser.add_argument("--quick", action="store_true", help="a smoke run, written under a temporary folder")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--render", action="store_true", help="rewrite the headline, chart and header; run nothing")
+    how.add_argument("--quick", action="store_true", help="a smoke run, written under a temporary folder")
     args = parser.parse_args(argv)
     changed = changed_files()
     if changed and not (args.quick or args.render):
@@ -297,15 +303,25 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tempfile.mkdtemp(prefix="dltune-benchmarks-"))
         md, out = scratch / "BENCHMARKS.md", scratch / "results"
     if args.render:
+        if not (out / "all.json").exists():
+            raise SystemExit(f"benchmarks/all.py --render: no {out / 'all.json'}; run `python benchmarks/all.py` first")
         run = json.loads((out / "all.json").read_text())
+        write(md, out, args.quick, run)
     else:
         old = (ROOT / "BENCHMARKS.md").read_text() if (ROOT / "BENCHMARKS.md").exists() else ""
-        md.write_text(SKELETON.format(truth_gpu=gpu_sections(old)))
         out.mkdir(parents=True, exist_ok=True)
+        (out / "all.json").unlink(missing_ok=True)  # a later --render reads this run's manifest or none
+        # the steps write a new file beside the old one, which it replaces once every step succeeded
+        draft = md.with_name(md.name + ".draft")
+        draft.write_text(SKELETON.format(truth_gpu=gpu_sections(old)))
         date = datetime.date.today().isoformat()
-        run = {"commit": commit, "date": date, "machine": machine(), "minutes": run_all(args.quick, out, md)}
+        minutes = run_all(args.quick, out, draft)
+        if changed_files() != changed:  # a file changed while the benchmarks ran
+            commit = commit.split()[0] + " with uncommitted changes"
+        run = {"commit": commit, "date": date, "machine": machine(), "minutes": minutes}
         (out / "all.json").write_text(json.dumps(run, indent=2) + "\n")
-    write(md, out, args.quick, run)
+        write(draft, out, args.quick, run)
+        draft.replace(md)
     print(f"wrote {md} ({sum(run['minutes'].values()):.0f} minutes of benchmarks)")
     return 0
 
