@@ -175,6 +175,31 @@ def test_by_default_an_iterable_dataset_that_reads_from_a_queue_is_only_measured
     assert sorted(i for e in seen.epochs for i in e) == list(range(3 * 32))
 
 
+class LockedSharded(Sharded):
+    """Shards by worker, holds a lock, which cannot be copied, and waits 2 ms a sample: more workers would help."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            time.sleep(0.002)
+            yield sample
+
+
+def test_with_tune_iterable_true_a_dataset_that_cannot_be_copied_is_retuned_on_the_users_word(tmp_path):
+    # tune_iterable=True: the first round needs a copy of the dataset; without one it is skipped, and the first
+    # iteration's check looks at the batches as they are served (by default such a dataset is only measured: above)
+    class M(SimulatedModel):
+        def train_dataloader(self):
+            return DataLoader(LockedSharded(), batch_size=8)
+
+    tuner, seen = DataLoaderTuner(min_steps=4, tune_iterable=True), Indices()
+    make_trainer(tmp_path, [tuner, seen], max_epochs=3, logger=False).fit(M(step_ms=1, features=8))
+    assert tuner.phase.value != "disabled" and max(t.settings.num_workers for t in tuner.trials) > 0
+    assert all(sorted(e) == list(range(96)) for e in seen.epochs)
+
+
 def test_by_default_an_iterable_loader_that_keeps_its_own_state_is_only_measured(tmp_path):
     """Its sharding cannot be checked before more workers serve a batch: the loop would count the checked batches as
     served (``tune_iterable=True`` opts in: ``test_loader_libraries.py``'s litdata run)."""

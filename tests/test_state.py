@@ -190,6 +190,17 @@ def test_finish_gives_a_result_and_says_when_tuning_had_not_settled():
     assert state.report_content()["phase"] == "tuning" and state.report_content()["trials"] == state.trials
 
 
+def test_the_diagnosis_at_fits_end_names_the_ceiling_the_trials_were_judged_under():
+    # under DDP the ranks agree a ceiling (13 here) above this rank's own share (8): the diagnosis of a fit that ends
+    # before tuning settles names the ceiling its trials were judged under
+    agreed, own = Budget(cpus=2.0, max_workers=13), Budget(cpus=2.0, max_workers=8)
+    state = started()
+    judge(state, stats(wait_ms=160), budget=agreed)
+    assert state.phase is Phase.TUNING and state.target.num_workers == 13
+    state.finish(own)
+    assert "ceiling of 13 workers" in state.diagnosis and "ceiling of 8" not in state.diagnosis, state.diagnosis
+
+
 @pytest.mark.parametrize(
     ("args", "left"),
     [

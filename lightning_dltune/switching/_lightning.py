@@ -380,6 +380,11 @@ def show_sampler(loader: DataLoader) -> None:
         object.__setattr__(loader, "sampler", inner)  # DataLoader refuses `sampler` once built
 
 
+def replace_dataset(loader: DataLoader, dataset: Any) -> None:
+    """Give a built ``loader`` another ``dataset`` of the same kind (its iterators read it when created)."""
+    object.__setattr__(loader, "dataset", dataset)  # DataLoader refuses `dataset` once built
+
+
 def recording() -> ExitStack:
     """Lightning's argument-recording context for ``DataLoader``/``BatchSampler`` constructors, so loaders
     built inside it can be rebuilt again (by us or for Lightning's distributed sampler)."""

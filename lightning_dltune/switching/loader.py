@@ -143,7 +143,7 @@ def _iterates_as_pytorch(loader: DataLoader) -> bool:
 def _uncopied_because(dataset: Any) -> str | None:
     """Why ``dataset`` cannot be deep-copied (``None``: it can). A dataset that reads from a queue, a connection or an
     open file holds an object that refuses to be copied; one whose state is its own copies, and the copy iterates
-    without taking anything from the original (:meth:`LoaderSwitcher._first_round` iterates such a copy)."""
+    without taking anything the original object holds (:meth:`LoaderSwitcher._first_round` iterates such a copy)."""
     try:
         copy.deepcopy(dataset)
     except Exception as error:
@@ -226,7 +226,7 @@ class LoaderSwitcher:
         # the DistributedSampler it injects: a plain batch sampler too)
         self._as_given = False
         # the id of the latest dataset asked about, and why it cannot be copied (not the dataset: the tuner pickles)
-        self._copied: tuple[int, str | None] | None = None
+        self._copied: tuple[tuple[int, type], str | None] | None = None
         self._restores: list[Callable[[], None]] = []
         self._guard_needed = False
         self._check_shards = False  # the running loader's first iteration checks that its IterableDataset shards
@@ -384,17 +384,17 @@ class LoaderSwitcher:
 
     def _uncopied_because(self, dataset: Any) -> str | None:
         """:func:`_uncopied_because`, asked once per dataset object."""
-        if self._copied is None or self._copied[0] != id(dataset):
-            self._copied = (id(dataset), _uncopied_because(dataset))
+        if self._copied is None or self._copied[0] != (id(dataset), type(dataset)):
+            self._copied = ((id(dataset), type(dataset)), _uncopied_because(dataset))
         return self._copied[1]
 
     def _iterable_left_alone(self, loader: DataLoader) -> str:
         why = self._uncopied_because(loader.dataset) if self.tune_iterable == "auto" else None
         if why is not None:
             return (
-                f"the train dataset is an IterableDataset that cannot be copied ({why}): it reads from something "
-                "outside itself (a queue, a connection, an open file), so a check that more workers shard it would "
-                "take samples from what it reads, and the tuner only measures it. If it shards itself with "
+                f"the train dataset is an IterableDataset that cannot be copied ({why}): it reads from something a "
+                "copy cannot take apart (a queue, a connection, an open file), so a check that more workers shard it "
+                "would take samples from what it reads, and the tuner only measures it. If it shards itself with "
                 "`get_worker_info()`, opt in with `DataLoaderTuner(tune_iterable=True)`"
             )
         if self.tune_iterable == "auto":
@@ -425,14 +425,17 @@ class LoaderSwitcher:
         Then the loader returned is the fallback's, and nothing of the epoch was served. Only for loaders that iterate
         as PyTorch's own (:func:`_iterates_as_pytorch`); elsewhere the first iteration's ``ShardCheck`` is the only
         check."""
-        # the copy's workers iterate a copy of the dataset: what they take from it is the copy's own
-        apart = {"dataset": copy.deepcopy(loader.dataset), "persistent_workers": False}
+        try:
+            dataset = copy.deepcopy(loader.dataset)  # what the round's workers take from it is the copy's own
+        except Exception:  # only with tune_iterable=True (see `_tunes_iterable`): the first iteration checks it
+            return loader
         try:
             probe = _lightning.rebuild_dataloader(
-                loader, {**apart, "worker_init_fn": _SameSeed(loader.worker_init_fn)}, quiet=True
+                loader, {"persistent_workers": False, "worker_init_fn": _SameSeed(loader.worker_init_fn)}, quiet=True
             )
         except _lightning.NotRebuildableError:
             return loader
+        _lightning.replace_dataset(probe, dataset)
         iterator = apart_from_global(probe, lambda: iter(probe))
         batches: list[Any] = []
         try:

@@ -440,9 +440,11 @@ class TuningState:
     def finish(self, budget: Budget) -> None:
         """``fit`` ended: make sure there is a result and a diagnosis, even if tuning had not ended. When every
         config measured failed (each went over the memory budget, say), the one running at the end is the result:
-        the tuner chose it as the fallback."""
+        the tuner chose it as the fallback. The diagnosis speaks of the budget the latest window was judged under
+        (under DDP the ranks' agreed one), and of ``budget`` where this state has judged none."""
         if self.phase is Phase.SETTLED or not self.trials:
             return
+        budget = self._budget or budget
         usable = any(t.usable for t in self.trials)
         if not usable and (not self.tuning or self.current is None):
             return
