@@ -129,6 +129,17 @@ def test_the_diagnosis_is_selected_by_its_measurements(name):
     assert got == name and says in text, text
 
 
+def test_more_workers_did_not_help_where_the_config_kept_was_not_faster_than_one_with_fewer():
+    # the dltune demo's shape on 2 CPUs: 10 workers, then 15, no faster; the tuner stays on 15 (going back would
+    # restart the workers for nothing), and the stall left is said with what was measured and the fixes
+    trials = [trial(0, 160, 10, fetch_cpu_ms=1), trial(10, 20, 10), trial(15, 21, 10)]
+    got, text = diagnosed(trials, cfg(15), WIDE)
+    assert got == "more_workers_did_not_help", text
+    assert "(workers=15 prefetch=2 was not 5% faster than workers=10 prefetch=2)" in text, text
+    assert text.endswith("give the job more CPUs, or use faster storage."), text
+    assert diagnosed([trials[0], trial(10, 40, 10), trial(15, 20, 10)], cfg(15), WIDE)[0] != got  # 15 paid
+
+
 def test_what_is_left_says_what_was_measured():
     """The stall left, where no other diagnosis applies: bursty waits where they are, the trial budget where it was
     spent, else plainly not measured (never a guess between the two)."""

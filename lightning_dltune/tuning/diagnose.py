@@ -150,10 +150,21 @@ class Reading:
         return [t for t in self.usable if t.settings.num_workers > self.final.settings.num_workers]
 
     @cached_property
-    def no_help(self) -> bool:
-        """Whether every config with more workers was not ``min_gain`` faster than the quoted one."""
+    def as_fast_with_fewer(self) -> Trial | None:
+        """A config with fewer workers than the quoted one that the quoted one was not ``min_gain`` faster than (the
+        fastest of them), or ``None``."""
         per, gain = self.final.sec_per_sample, self.policy.min_gain
-        return bool(self.more) and all(t.sec_per_sample >= per * (1.0 - gain) for t in self.more)
+        fewer = [t for t in self.usable if t.settings.num_workers < self.final.settings.num_workers]
+        alike = [t for t in fewer if per > t.sec_per_sample * (1.0 - gain)]
+        return min(alike, key=lambda t: t.sec_per_sample) if alike else None
+
+    @cached_property
+    def no_help(self) -> bool:
+        """Whether more workers were measured not to help: every config with more workers than the quoted one was not
+        ``min_gain`` faster than it, or the quoted one was not faster than a config with fewer."""
+        per, gain = self.final.sec_per_sample, self.policy.min_gain
+        more_no_faster = bool(self.more) and all(t.sec_per_sample >= per * (1.0 - gain) for t in self.more)
+        return more_no_faster or self.as_fast_with_fewer is not None
 
 
 def nothing_measured_dx(r: Reading) -> str | None:
@@ -361,9 +372,16 @@ def more_workers_did_not_help(r: Reading) -> str | None:
     """Configs with more workers were measured and were not faster: the host is saturated."""
     if not r.no_help:
         return None
+    fewer, gain = r.as_fast_with_fewer, r.policy.min_gain
+    if fewer is not None:
+        measured = f"{r.final.settings.describe()} was not {gain:.0%} faster than {fewer.settings.describe()}"
+    else:
+        measured = f"{', '.join(t.settings.describe() for t in r.more)} not {gain:.0%} faster"
     return (
-        f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput), and more workers did not help: the "
-        "host is saturated (CPU contention with the training process, or the storage's own limit)."
+        f"input-bound: {r.still} ({r.speedup:.1f}x the starting throughput), and more workers did not help "
+        f"({measured}): the host is saturated (CPU contention with the training process, or the storage's own "
+        "limit). Make loading cheaper (decode less, cache decoded samples), give the job more CPUs, or use faster "
+        "storage."
     )
 
 
