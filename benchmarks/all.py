@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run import WORKLOADS, ratio_interval
+from sections import write_section
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CHART = ROOT / "docs" / "images" / "benchmarks.png"
@@ -101,10 +104,7 @@ def steps(quick: bool, out: Path) -> list[tuple[str, list[str]]]:
     ]
     if importlib.util.find_spec("torchvision") is not None:
         runs.append(("imagefolder", ["run.py", "--workloads", "imagefolder", "--workloads-only", *q, *o]))
-    sys.path.insert(0, str(HERE))
-    from run import WORKLOADS  # imagefolder (where torchvision is) runs alone, above
-
-    whole = ",".join(w for w in WORKLOADS if w != "imagefolder")
+    whole = ",".join(w for w in WORKLOADS if w != "imagefolder")  # imagefolder (where torchvision is) runs alone
     runs.append(("workloads", ["run.py", "--workloads", whole, *q, *o]))
     return runs
 
@@ -135,9 +135,6 @@ def _load(out: Path, name: str) -> Any:
 def headline_rows(out: Path, quick: bool, ran: list[str]) -> list[dict[str, Any]]:
     """One row per workload of the steps that ``ran``: the default's, the rule of thumb's and the tuner's whole run
     over the best static config's (the tuner's with its 95% interval over paired rounds where there are rounds)."""
-    sys.path.insert(0, str(HERE))
-    from run import ratio_interval
-
     rows: list[dict[str, Any]] = []
     runs = _load(out, "quick.json" if quick else "latest.json") if "workloads" in ran else None
     extra = None
@@ -256,10 +253,10 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 def header(run: dict[str, Any]) -> str:
     return (
-        f"<!-- header -->\nMeasured at commit `{run['commit']}` on {run['date']} by `python benchmarks/all.py`, "
+        f"Measured at commit `{run['commit']}` on {run['date']} by `python benchmarks/all.py`, "
         f"{sum(run['minutes'].values()):.0f} minutes: {run['machine']}. How each benchmark measures: "
         "[docs/benchmarks.md](docs/benchmarks.md); earlier results: "
-        "[docs/benchmark-history.md](docs/benchmark-history.md).\n<!-- /header -->"
+        "[docs/benchmark-history.md](docs/benchmark-history.md)."
     )
 
 
@@ -276,13 +273,10 @@ def machine() -> str:
 
 def write(md: Path, out: Path, quick: bool, run: dict[str, Any]) -> None:
     """The header, the headline and the chart of the run described by ``run`` (its manifest, ``all.json``)."""
-    text = md.read_text()
     rows = headline_rows(out, quick, list(run["minutes"]))
     chart(rows, out / "benchmarks.png" if quick else CHART)
-    text = text.replace(block(text, "header") or "<!-- header -->\n<!-- /header -->", header(run), 1)
-    new = f"<!-- headline -->\n{headline(rows)}\n<!-- /headline -->"
-    text = text.replace(block(text, "headline") or "<!-- headline -->\n<!-- /headline -->", new, 1)
-    md.write_text(text)
+    write_section("header", header(run), md)
+    write_section("headline", headline(rows), md)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,6 @@ from sections import write_results, write_section
 
 HERE = Path(__file__).resolve().parent
 TARGET = 1.10  # the issue's: the tuned whole run at most 1.10x the best static config's
-ONE_RUN: set[str] = set()  # arms run in the first round only (the default and the rule of thumb, see `main`)
 
 
 class TwoLoaders(pl.LightningDataModule):
@@ -157,7 +156,7 @@ def main() -> int:
     cpus = len(os.sched_getaffinity(0))
     thumb = f"workers={min(8, max(1, cpus // 2))}"
     arms = list(dict.fromkeys(["default", "tuned", thumb, *(f"workers={w}" for w in args.static.split(","))]))
-    ONE_RUN.update({"default", thumb} - {f"workers={w}" for w in args.static.split(",")})
+    one_run = {"default", thumb} - {f"workers={w}" for w in args.static.split(",")}  # in the first round only
     sections, results = [], {}
     if args.render:
         results = json.loads((args.out / "evaluation.json").read_text())
@@ -174,7 +173,7 @@ def main() -> int:
         edges: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
-                if r and arm in ONE_RUN:
+                if r and arm in one_run:
                     continue
                 wall, config, edge = run(arm, workload, args.latency_ms, args.epochs)
                 walls[arm].append(wall)
